@@ -1,0 +1,29 @@
+"""tfdist: distribution strategies for Keras 3 on TensorFlow 2.21."""
+
+from setuptools import find_packages
+from setuptools import setup
+
+setup(
+    name="tfdist",
+    version="0.1.0",
+    description="Parameter-server, soft-sync, async and compressed distribution strategies "
+                "for Keras 3 on TensorFlow",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["tfdist", "tfdist.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "keras>=3.15,<3.16",
+        "numpy>=1.26",
+        "absl-py>=2.1",
+    ],
+    extras_require={
+        # TensorFlow is an extra so that users pick the wheel that fits their machine.
+        "cpu": ["tensorflow-cpu==2.21.0"],
+        "gpu": ["tensorflow==2.21.0"],
+        "examples": ["scikit-learn>=1.3", "matplotlib>=3.7"],
+        "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.6", "scikit-learn>=1.3",
+                 "matplotlib>=3.7"],
+    },
+    entry_points={"console_scripts": ["tfdist-launch=tfdist.launch.main:run"]},
+)

@@ -1,0 +1,184 @@
+"""End-to-end tests of the local cluster launcher on localhost."""
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import tensorflow as tf
+
+from tfdist.cluster import is_listening
+from tfdist.launch import LocalCluster
+
+# Deadline of every run in this file: no test can hang longer.
+RUN_TIMEOUT = 60
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead but not yet reaped by its parent.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _python(code):
+    return [sys.executable, "-c", code]
+
+
+class LocalClusterTest(tf.test.TestCase):
+
+    def _assert_torn_down(self, cluster):
+        pids = [cluster.pid(name) for name in cluster.task_names]
+        self.assertFalse([p for p in pids if _alive(p)], "a task outlived the cluster")
+        for addresses in cluster.config.cluster.values():
+            for address in addresses:
+                self.assertFalse(is_listening(address), f"{address} still listens")
+
+    def test_success_prefixes_output_and_stops_ps(self):
+        out = io.StringIO()
+        code = ("import json, os; c = json.loads(os.environ['TF_CONFIG']); "
+                "print('task', c['task']['type'], c['task']['index'], len(c['cluster']['worker']))")
+        with LocalCluster(_python(code), num_ps=1, num_workers=2, output=out,
+                          timeout=RUN_TIMEOUT) as cluster:
+            result = cluster.wait()
+        self.assertEqual(result.returncode, 0, out.getvalue())
+        self.assertIn("[worker:0] task worker 0 2", out.getvalue())
+        self.assertIn("[worker:1] task worker 1 2", out.getvalue())
+        self.assertIn(("worker:1", "task worker 1 2"), cluster.lines)
+        self.assertEqual(result.task_returncodes["worker:0"], 0)
+        self._assert_torn_down(cluster)
+
+    def test_first_failure_stops_the_rest_and_is_named(self):
+        code = ("import json, os, sys, time; c = json.loads(os.environ['TF_CONFIG']); "
+                "sys.exit(7) if c['task']['index'] == 1 else time.sleep(120)")
+        start = time.monotonic()
+        with LocalCluster(_python(code), num_ps=0, num_workers=3, output=None,
+                          grace_period=0.5, timeout=RUN_TIMEOUT) as cluster:
+            result = cluster.wait()
+        self.assertLess(time.monotonic() - start, 30)
+        self.assertEqual(result.returncode, 7)
+        self.assertEqual(result.failed_task, "worker:1")
+        self.assertIn("worker:1 exited with code 7", result.message)
+        self._assert_torn_down(cluster)
+
+    def test_killed_worker_is_named_within_seconds(self):
+        with LocalCluster(_python("import time; time.sleep(120)"), num_ps=1, num_workers=2,
+                          output=None, grace_period=0.5, timeout=RUN_TIMEOUT) as cluster:
+            time.sleep(0.5)
+            os.kill(cluster.pid("worker:1"), signal.SIGKILL)
+            start = time.monotonic()
+            result = cluster.wait()
+            self.assertLess(time.monotonic() - start, 10)
+        self.assertEqual(result.failed_task, "worker:1")
+        self.assertIn("signal SIGKILL", result.message)
+        self.assertNotEqual(result.returncode, 0)
+        self._assert_torn_down(cluster)
+
+    def test_timeout_bounds_the_run_and_kills_grandchildren(self):
+        # The worker starts a grandchild that ignores SIGTERM: teardown must still end it.
+        code = ("import subprocess, sys, time; "
+                "p = subprocess.Popen([sys.executable, '-c', "
+                "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                "print(1, flush=True); time.sleep(120)']); "
+                "print('grandchild', p.pid, flush=True); time.sleep(120)")
+        with LocalCluster(_python(code), num_ps=0, num_workers=1, output=None,
+                          timeout=3) as cluster:
+            result = cluster.wait()
+        self.assertTrue(result.timed_out)
+        self.assertEqual(result.returncode, 124)
+        self.assertIn("timed out after 3 s", result.message)
+        grandchild = [int(line.split()[1]) for _, line in cluster.lines
+                      if line.startswith("grandchild")]
+        self.assertLen(grandchild, 1)
+        time.sleep(0.2)
+        self.assertFalse(_alive(grandchild[0]))
+        self._assert_torn_down(cluster)
+
+    def test_exception_in_with_block_tears_down(self):
+        with self.assertRaises(RuntimeError):
+            with LocalCluster(_python("import time; time.sleep(120)"), num_ps=1, num_workers=1,
+                              output=None, timeout=RUN_TIMEOUT) as cluster:
+                raise RuntimeError("boom")
+        self._assert_torn_down(cluster)
+
+    def test_bad_arguments(self):
+        with self.assertRaisesRegex(ValueError, "`num_workers` must be an integer >= 1"):
+            LocalCluster(["true"], num_workers=0)
+        with self.assertRaisesRegex(ValueError, "`command` must be a non-empty argv list"):
+            LocalCluster("python train.py")
+        with self.assertRaisesRegex(ValueError, "`timeout` must be a positive"):
+            LocalCluster(["true"], timeout=-1)
+
+
+class LauncherCliTest(tf.test.TestCase):
+
+    def _run(self, *args, timeout=RUN_TIMEOUT, **kwargs):
+        return subprocess.run([sys.executable, "-m", "tfdist.launch", *args], text=True,
+                              capture_output=True, timeout=timeout, **kwargs)
+
+    def test_local_success_and_failure_exit_codes(self):
+        ok = self._run("--local", "--num_ps=1", "--num_workers=2", "--timeout=60", "--",
+                       "python", "-c", "print('hello')")
+        self.assertEqual(ok.returncode, 0, ok.stderr)
+        self.assertIn("[worker:1] hello", ok.stdout)
+        bad = self._run("--local", "--num_ps=0", "--num_workers=2", "--grace_period=0.5",
+                        "--timeout=60", "--", "python", "-c",
+                        "import json, os, sys; "
+                        "sys.exit(json.loads(os.environ['TF_CONFIG'])['task']['index'] * 5)")
+        self.assertEqual(bad.returncode, 5)
+        self.assertIn("FAILED: task worker:1 exited with code 5", bad.stderr)
+
+    def test_flag_errors_are_one_message_not_a_traceback(self):
+        for args, message in [
+            (["--local", "--num_workers=0"], "--num_workers=0: 0 is not a positive integer"),
+            (["--local"], "--local needs the worker command after `--`"),
+            (["--job_name=worker", "--worker_hosts=a:99999", "--", "true"],
+             r"port must be between 1 and 65535. Received: 99999"),
+            (["--job_name=worker", "--worker_hosts=a:1", "--task_index=3", "--", "true"],
+             "between 0 and 0 for job 'worker'"),
+            (["--job_name=boss"], "--job_name"),
+            ([], "give --job_name=ps|worker|chief"),
+            (["--job_name=ps", "--ps_hosts=localhost:2", "--", "true"], "a ps task runs no"),
+        ]:
+            result = self._run(*args)
+            self.assertNotEqual(result.returncode, 0, args)
+            self.assertRegex(result.stderr, message)
+            self.assertNotIn("Traceback", result.stderr)
+
+    def test_worker_form_sets_tf_config_and_runs_command(self):
+        result = self._run("--job_name=worker", "--task_index=1", "--ps_hosts=localhost:2000",
+                           "--worker_hosts=localhost:2001,localhost:2002", "--", sys.executable,
+                           "-c", "import os; print(os.environ['TF_CONFIG'])")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn('"task": {"index": 1, "type": "worker"}', result.stdout)
+
+    def test_ps_form_serves_until_sigterm(self):
+        from tfdist.cluster import pick_free_ports
+        from tfdist.cluster import wait_for_tasks
+
+        port, = pick_free_ports(1)
+        address = f"localhost:{port}"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tfdist.launch", "--job_name=ps", f"--ps_hosts={address}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            wait_for_tasks({"/job:ps/task:0": address}, timeout=30)
+            process.send_signal(signal.SIGTERM)
+            self.assertEqual(process.wait(timeout=30), 0)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        self.assertFalse(is_listening(address))
+
+
+if __name__ == "__main__":
+    tf.test.main()

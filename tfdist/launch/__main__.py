@@ -1,0 +1,3 @@
+from tfdist.launch.main import run
+
+run()

@@ -1,0 +1,287 @@
+"""A whole cluster on this machine: ps servers plus worker processes, in one call.
+
+```python
+with tfdist.launch.LocalCluster(["python", "train.py"], num_ps=1, num_workers=3) as cluster:
+    result = cluster.wait()
+print(result.returncode, result.failed_task)
+```
+
+Every task is its own process group started with its own TF_CONFIG on free localhost ports.
+Output lines are prefixed with the task (`[worker:1] ...`). The cluster is torn down on the
+first failing task (after `grace_period`), on `timeout`, on Ctrl-C, and on leaving the `with`
+block: no process or open port outlives it.
+"""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict
+from typing import List
+from typing import Optional
+
+from tfdist.cluster import ClusterConfig
+from tfdist.cluster import TaskUnreachableError
+from tfdist.cluster import pick_free_ports
+from tfdist.cluster import wait_for_tasks
+
+# Set for every task: blocking ops across clients hang with streaming enqueue (the ps runs
+# each client's eager ops on one thread, so one blocked op freezes every client).
+TASK_ENVIRONMENT = {
+    "TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE": "False",
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def _signal_name(returncode):
+    if returncode is not None and returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"code {returncode}"
+
+
+@dataclasses.dataclass
+class LocalClusterResult:
+    """How a local cluster ended."""
+
+    returncode: int
+    failed_task: Optional[str] = None
+    message: str = ""
+    task_returncodes: Dict[str, Optional[int]] = dataclasses.field(default_factory=dict)
+    timed_out: bool = False
+
+
+class _Task:
+    """One child process and the thread that prefixes its output."""
+
+    def __init__(self, name, argv, env, output, lines, lock, cwd):
+        self.name = name
+        self.process = subprocess.Popen(
+            argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True)
+        self._reader = threading.Thread(
+            target=self._pump, args=(output, lines, lock), daemon=True, name=f"pump-{name}")
+        self._reader.start()
+
+    def _pump(self, output, lines, lock):
+        for raw in iter(self.process.stdout.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            with lock:
+                lines.append((self.name, line))
+                if output is not None:
+                    output.write(f"[{self.name}] {line}\n")
+                    output.flush()
+        self.process.stdout.close()
+
+    def signal(self, sig):
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def reap(self, timeout):
+        try:
+            self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        return self.process.poll()
+
+    def finish_output(self, timeout=2.0):
+        self._reader.join(timeout)
+
+
+class LocalCluster:
+    """Starts and supervises a ps/worker cluster on localhost.
+
+    Args:
+      command: argv of the worker program (a leading `python` / `python3` is replaced by this
+        interpreter, so workers run in the same environment as the launcher).
+      num_ps: number of ps tasks (0 for an all-reduce job).
+      num_workers: number of worker tasks, at least 1.
+      timeout: seconds the whole run may take, or None.
+      grace_period: seconds the other tasks get to finish on their own after one fails.
+      env: extra environment variables for every task.
+      output: where prefixed output lines go (`sys.stdout` by default, None for nowhere);
+        every line is also kept in `lines` as `(task, text)`.
+      host: the host name written into TF_CONFIG.
+      ps_threads: inter-op threads of each ps server.
+      startup_timeout: seconds the ps tasks get to start listening.
+      cwd: working directory of the tasks.
+    """
+
+    def __init__(self, command, num_ps=1, num_workers=1, timeout=None, grace_period=3.0,
+                 env=None, output=sys.stdout, host="localhost", ps_threads=None,
+                 startup_timeout=30.0, cwd=None):
+        if not command or isinstance(command, str):
+            raise ValueError(f"`command` must be a non-empty argv list. Received: {command!r}")
+        if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
+            raise ValueError(f"`num_ps` must be an integer >= 0. Received: {num_ps!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"`num_workers` must be an integer >= 1. Received: {num_workers!r}")
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"`timeout` must be a positive number of seconds or None. "
+                             f"Received: {timeout!r}")
+        command = list(command)
+        if os.path.basename(command[0]) in ("python", "python3"):
+            command[0] = sys.executable
+        self.command = command
+        self.timeout = timeout
+        self.grace_period = grace_period
+        self.startup_timeout = startup_timeout
+        self.ps_threads = ps_threads
+        self.env = dict(env or {})
+        self.output = output
+        self.cwd = cwd
+        ports = pick_free_ports(num_ps + num_workers)
+        self.config = ClusterConfig.from_hosts(
+            ps_hosts=[f"{host}:{p}" for p in ports[:num_ps]],
+            worker_hosts=[f"{host}:{p}" for p in ports[num_ps:]])
+        self.lines: List[tuple] = []
+        self._lock = threading.Lock()
+        self._tasks: Dict[str, _Task] = {}
+        self._start_time = None
+
+    # Lifecycle ----------------------------------------------------------------------------
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self.stop()
+
+    def _spawn(self, name, argv, config):
+        env = dict(os.environ)
+        env.update(TASK_ENVIRONMENT)
+        env.update(self.env)
+        env["TF_CONFIG"] = config.to_json()
+        self._tasks[name] = _Task(name, argv, env, self.output, self.lines, self._lock, self.cwd)
+
+    def start(self):
+        """Starts the ps tasks, waits until they listen, then starts the workers."""
+        self._start_time = time.monotonic()
+        try:
+            for i in range(self.config.num_ps):
+                argv = [sys.executable, "-m", "tfdist.launch", "--job_name=ps",
+                        f"--task_index={i}", "--ps_hosts=" + ",".join(self.config.cluster["ps"])]
+                if self.ps_threads:
+                    argv.append(f"--ps_threads={self.ps_threads}")
+                self._spawn(f"ps:{i}", argv, self.config.with_task("ps", i))
+            if self.config.num_ps:
+                self._wait_for_ps()
+            for i in range(len(self.config.cluster["worker"])):
+                self._spawn(f"worker:{i}", self.command, self.config.with_task("worker", i))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_for_ps(self):
+        addresses = {f"/job:ps/task:{i}": a for i, a in enumerate(self.config.cluster["ps"])}
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            for i in range(self.config.num_ps):
+                code = self._tasks[f"ps:{i}"].process.poll()
+                if code is not None:
+                    raise TaskUnreachableError(
+                        f"/job:ps/task:{i} exited with {_signal_name(code)} before it listened "
+                        f"at {self.config.cluster['ps'][i]}")
+            try:
+                wait_for_tasks(addresses, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                return
+            except TaskUnreachableError:
+                if time.monotonic() > deadline:
+                    raise
+
+    @property
+    def task_names(self):
+        return list(self._tasks)
+
+    def pid(self, task):
+        """The process id of a task, e.g. `pid("worker:1")`."""
+        return self._tasks[task].process.pid
+
+    def wait(self, timeout=None):
+        """Supervises the run until it ends, and tears the cluster down.
+
+        Returns:
+          A `LocalClusterResult`: returncode 0 when every worker exited 0, else non-zero with
+          `failed_task` naming the first task that failed (or `timed_out`).
+        """
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else self._start_time + timeout
+        workers = [t for name, t in self._tasks.items() if name.startswith("worker")]
+        ps_tasks = [t for name, t in self._tasks.items() if name.startswith("ps")]
+        result = None
+        try:
+            while result is None:
+                failed = [t for t in workers if t.process.poll() not in (None, 0)]
+                failed += [t for t in ps_tasks if t.process.poll() is not None]
+                if failed:
+                    task = failed[0]
+                    code = task.process.returncode
+                    result = LocalClusterResult(
+                        returncode=code if code and code > 0 else 1, failed_task=task.name,
+                        message=f"task {task.name} exited with {_signal_name(code)}")
+                    self._announce(f"{result.message}; stopping the other tasks")
+                    self._grace(workers)
+                elif all(t.process.poll() == 0 for t in workers):
+                    result = LocalClusterResult(returncode=0, message="all workers finished")
+                elif deadline is not None and time.monotonic() > deadline:
+                    running = [t.name for t in workers if t.process.poll() is None]
+                    result = LocalClusterResult(
+                        returncode=124, timed_out=True, failed_task=running[0] if running else None,
+                        message=f"timed out after {timeout:g} s with {', '.join(running)} "
+                                "still running")
+                    self._announce(result.message + "; stopping every task")
+                else:
+                    time.sleep(0.05)
+        finally:
+            self.stop()
+        result.task_returncodes = {name: t.process.returncode for name, t in self._tasks.items()}
+        return result
+
+    def _grace(self, workers):
+        deadline = time.monotonic() + self.grace_period
+        while time.monotonic() < deadline and any(t.process.poll() is None for t in workers):
+            time.sleep(0.05)
+
+    def _announce(self, message):
+        with self._lock:
+            self.lines.append(("tfdist-launch", message))
+            if self.output is not None:
+                self.output.write(f"[tfdist-launch] {message}\n")
+                self.output.flush()
+
+    def stop(self, kill_after=5.0):
+        """Stops every task that still runs: SIGTERM, then SIGKILL after `kill_after` s."""
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.signal(signal.SIGTERM)
+        deadline = time.monotonic() + kill_after
+        for task in tasks:
+            if task.reap(max(0.0, deadline - time.monotonic())) is None:
+                task.signal(signal.SIGKILL)
+                task.reap(5.0)
+            else:
+                # The group may hold grandchildren (a shell's children) that outlived the leader.
+                task.signal(signal.SIGKILL)
+        for task in tasks:
+            try:
+                os.killpg(task.process.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            task.finish_output()
+
+
+def run_local_cluster(command, **kwargs):
+    """Runs `command` on a local cluster until it ends; returns a `LocalClusterResult`."""
+    cluster = LocalCluster(command, **kwargs)
+    with cluster:
+        return cluster.wait()

@@ -1,0 +1,132 @@
+"""`tfdist-launch`: run a ps or worker task, or a whole cluster on this machine.
+
+Classic form, one task per command (as in TF1's examples):
+
+    tfdist-launch --job_name=ps --task_index=0 --ps_hosts=h1:2222 --worker_hosts=h2:2222,h3:2222
+    tfdist-launch --job_name=worker --task_index=1 --ps_hosts=... --worker_hosts=... \
+        -- python train.py
+
+A ps task serves until SIGTERM / SIGINT and exits 0; a worker (or chief) task sets TF_CONFIG
+and runs the command given after `--`.
+
+Local form, a whole cluster in one command:
+
+    tfdist-launch --local --num_ps=1 --num_workers=3 --timeout=600 \
+        -- python examples/train_digits.py
+"""
+
+import os
+import signal
+import sys
+
+from absl import app
+from absl import flags
+
+from tfdist.cluster import ClusterConfig
+from tfdist.cluster import TFConfigError
+
+FLAGS = flags.FLAGS
+
+flags.DEFINE_enum("job_name", None, ["ps", "worker", "chief", "evaluator"],
+                  "This task's job, in the one-task form.")
+flags.DEFINE_integer("task_index", 0, "This task's index in its job.", lower_bound=0)
+flags.DEFINE_list("ps_hosts", [], "Comma-separated host:port of the ps tasks.")
+flags.DEFINE_list("worker_hosts", [], "Comma-separated host:port of the worker tasks.")
+flags.DEFINE_string("chief_host", None, "host:port of a separate chief task, if any.")
+flags.DEFINE_integer("ps_threads", None, "Inter-op threads of a ps server (default 64).",
+                     lower_bound=2)
+flags.DEFINE_bool("local", False, "Start a whole cluster on this machine.")
+flags.DEFINE_integer("num_ps", 1, "With --local: number of ps tasks.", lower_bound=0)
+flags.DEFINE_integer("num_workers", 2, "With --local: number of worker tasks.", lower_bound=1)
+flags.DEFINE_float("timeout", None, "With --local: seconds the whole run may take.")
+flags.DEFINE_float("grace_period", 3.0,
+                   "With --local: seconds the other tasks get after one fails.", lower_bound=0)
+
+
+@flags.validator("timeout", message="--timeout must be a positive number of seconds")
+def _check_timeout(value):
+    return value is None or value > 0
+
+
+def _worker_command(argv):
+    command = argv[1:]
+    if command and command[0] == "--":
+        command = command[1:]
+    return command
+
+
+def _config_from_flags():
+    try:
+        return ClusterConfig.from_hosts(
+            ps_hosts=FLAGS.ps_hosts, worker_hosts=FLAGS.worker_hosts,
+            chief_host=FLAGS.chief_host, job_name=FLAGS.job_name, task_index=FLAGS.task_index)
+    except TFConfigError as e:
+        raise app.UsageError(f"bad cluster flags: {e}") from None
+
+
+def _run_local(command):
+    from tfdist.launch.local import LocalCluster
+
+    if not command:
+        raise app.UsageError("--local needs the worker command after `--`, e.g. "
+                             "`tfdist-launch --local -- python train.py`")
+    cluster = LocalCluster(command, num_ps=FLAGS.num_ps, num_workers=FLAGS.num_workers,
+                           timeout=FLAGS.timeout, grace_period=FLAGS.grace_period,
+                           ps_threads=FLAGS.ps_threads)
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        with cluster:
+            result = cluster.wait()
+    except KeyboardInterrupt:
+        print("[tfdist-launch] interrupted; every task stopped", file=sys.stderr)
+        return 130
+    if result.returncode:
+        print(f"[tfdist-launch] FAILED: {result.message}", file=sys.stderr)
+    else:
+        print(f"[tfdist-launch] {result.message}", file=sys.stderr)
+    return result.returncode
+
+
+def main(argv):
+    command = _worker_command(argv)
+    if FLAGS.local:
+        if FLAGS.job_name:
+            raise app.UsageError("--local starts every task itself: drop --job_name")
+        return _run_local(command)
+    if FLAGS.job_name is None:
+        raise app.UsageError("give --job_name=ps|worker|chief with the cluster's host flags, "
+                             "or --local to start a whole cluster on this machine")
+    config = _config_from_flags()
+    if config.task_type == "ps":
+        if command:
+            raise app.UsageError(f"a ps task runs no command. Received: {' '.join(command)}")
+        from tfdist.launch.server import DEFAULT_PS_THREADS
+        from tfdist.launch.server import serve
+
+        return serve(config, threads=FLAGS.ps_threads or DEFAULT_PS_THREADS)
+    if not command:
+        raise app.UsageError(f"a {config.task_type} task needs its command after `--`, e.g. "
+                             "`-- python train.py`")
+    from tfdist.launch.local import TASK_ENVIRONMENT
+
+    env = dict(os.environ)
+    for key, value in TASK_ENVIRONMENT.items():
+        env.setdefault(key, value)
+    env["TF_CONFIG"] = config.to_json()
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as e:
+        raise app.UsageError(f"cannot run {command[0]!r}: {e.strerror}") from None
+
+
+def run():
+    """Console-script entry point."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()
