@@ -1,13 +1,18 @@
 """Distribution strategies by name: TensorFlow's built-ins and tfdist's own."""
 
+from tfdist.strategies import registry as _registry
 from tfdist.strategies.flags import define_flags
 from tfdist.strategies.flags import from_flags
+from tfdist.strategies.parameter_server import SoftSyncStrategy
 from tfdist.strategies.registry import get
 from tfdist.strategies.registry import names
 from tfdist.strategies.registry import parse_strategy_args
 from tfdist.strategies.registry import register
 
+_registry.register("soft_sync", SoftSyncStrategy)
+
 __all__ = [
+    "SoftSyncStrategy",
     "define_flags",
     "from_flags",
     "get",

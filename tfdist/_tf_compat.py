@@ -1,0 +1,49 @@
+"""Every TensorFlow / Keras private API tfdist cannot avoid, in one place.
+
+The public `tf.distribute` API has no way to write a new strategy, and Keras 3 exposes no
+hook for where its optimizer lives. Each import below says why it is needed, so that the next
+TensorFlow or Keras upgrade touches this file only.
+"""
+
+# A strategy is a `tf.distribute.Strategy` over a `StrategyExtended`; the one-device extended
+# is the base of the parameter-server family (one replica per worker process).
+from tensorflow.python.distribute import distribute_lib  # noqa: F401
+from tensorflow.python.distribute.one_device_strategy import OneDeviceExtended  # noqa: F401
+from tensorflow.python.distribute.one_device_strategy import (  # noqa: F401
+    _OneDeviceReplicaContext as OneDeviceReplicaContext,
+)
+
+# A master variable is a resource variable around a handle that every worker opens by shared
+# name on a ps task; only the private base class accepts an existing handle.
+from tensorflow.python.ops import handle_data_util  # noqa: F401
+from tensorflow.python.ops import resource_variable_ops  # noqa: F401
+from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable  # noqa: F401
+
+
+def set_handle_shape_and_dtype(handle, shape, dtype):
+    """Gives a raw `VarHandleOp` handle the shape metadata a `tf.Variable` needs.
+
+    Without it Keras fails on "unknown rank" (DESIGN.md, checked by hand).
+    """
+    import tensorflow as tf
+
+    handle_data = handle_data_util.create_handle_data(tf.TensorShape(shape), tf.as_dtype(dtype))
+    resource_variable_ops._set_handle_shapes_and_types(  # pylint: disable=protected-access
+        handle, handle_data, graph_mode=not tf.executing_eagerly())
+
+
+def keras_optimizer_in_scope():
+    """The Keras optimizer whose `apply` is being traced, or None.
+
+    Keras 3 reaches a strategy's `update` from inside `Optimizer.apply`, which runs under
+    `keras.name_scope(optimizer.name, caller=optimizer)`; the strategy finds the optimizer it
+    must apply on the ps there. Keras offers no public hook for it.
+    """
+    import keras
+    from keras.src.backend.common import global_state
+
+    for entry in reversed(global_state.get_global_attribute("name_scope_stack") or []):
+        caller = getattr(entry, "caller", None)
+        if isinstance(caller, keras.optimizers.Optimizer):
+            return caller
+    return None

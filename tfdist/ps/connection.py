@@ -1,0 +1,82 @@
+"""A worker's connection to the ps tasks, and where each master variable lives."""
+
+import threading
+
+import tensorflow as tf
+
+from tfdist.cluster import as_cluster_config
+from tfdist.cluster import wait_for_tasks
+
+_connect_lock = threading.Lock()
+_connected = {}
+
+
+def ps_device(index):
+    return f"/job:ps/replica:0/task:{index}/device:CPU:0"
+
+
+class PSConnection:
+    """Connects this training task to the cluster's ps tasks.
+
+    Each worker process tells TensorFlow's eager runtime about the ps tasks and *its own*
+    address only (a spec listing every worker hangs on connect: DESIGN.md). Shared resources
+    on the ps tasks are then reachable by `shared_name` from every worker.
+
+    Args:
+      cluster: a `ClusterConfig`, TF_CONFIG dict or string, a cluster resolver, or None to
+        read TF_CONFIG.
+      connect_timeout: seconds the ps tasks get to start listening.
+    """
+
+    def __init__(self, cluster=None, connect_timeout=30.0):
+        self.config = config = as_cluster_config(cluster)
+        if config.num_ps < 1:
+            raise ValueError(
+                "a parameter-server strategy needs at least one ps task in the cluster. "
+                f"Received jobs: { {job: len(a) for job, a in config.cluster.items()} }")
+        if config.task_type not in ("chief", "worker"):
+            raise ValueError(
+                "a parameter-server strategy runs in a `chief` or `worker` task; ps tasks are "
+                f"served by `tfdist-launch --job_name=ps`. Received task type: "
+                f"{config.task_type!r}")
+        self.num_ps = config.num_ps
+        self.num_workers = config.num_workers
+        self.rank = config.worker_rank
+        self.is_chief = config.is_chief
+        self.task_name = f"/job:{config.task_type}/task:{config.task_index}"
+        self.training_tasks = [f"/job:{job}/task:{i}" for job, i in config.training_tasks]
+        self.training_addresses = [config.address(job, i) for job, i in config.training_tasks]
+        self.ps_names = [f"/job:ps/task:{i}" for i in range(self.num_ps)]
+        wait_for_tasks(dict(zip(self.ps_names, config.cluster["ps"])), timeout=connect_timeout)
+        spec = {"ps": list(config.cluster["ps"]),
+                config.task_type: {config.task_index: config.task_address}}
+        key = repr(sorted(spec.items(), key=str))
+        with _connect_lock:
+            if _connected.get("key") not in (None, key):
+                raise ValueError(
+                    "this process is already connected to another cluster; one process "
+                    f"trains in one cluster. Connected: {_connected['key']}, asked: {key}")
+            if _connected.get("key") is None:
+                tf.config.experimental_connect_to_cluster(
+                    tf.train.ClusterSpec(spec), job_name=config.task_type,
+                    task_index=config.task_index, make_master_device_default=False)
+                _connected["key"] = key
+        self.local_device = (f"/job:{config.task_type}/replica:0/task:{config.task_index}"
+                             "/device:CPU:0")
+        self.ps_devices = [ps_device(i) for i in range(self.num_ps)]
+        self._bytes_per_ps = [0] * self.num_ps
+
+    def place(self, shape, dtype):
+        """The ps device for a new variable: the one holding the fewest bytes so far.
+
+        Every worker creates the same variables in the same order, so every worker places
+        them the same way.
+        """
+        size = max(1, tf.TensorShape(shape).num_elements() or 1) * tf.as_dtype(dtype).size
+        index = min(range(self.num_ps), key=lambda i: (self._bytes_per_ps[i], i))
+        self._bytes_per_ps[index] += size
+        return index
+
+    @property
+    def bytes_per_ps(self):
+        return list(self._bytes_per_ps)
