@@ -28,7 +28,12 @@ FLAGS = flags.FLAGS
 tfdist.strategies.define_flags(default="soft_sync")
 flags.DEFINE_integer("epochs", 20, "Training epochs.", lower_bound=1)
 flags.DEFINE_integer("batch_size", 32, "Per-worker batch size.", lower_bound=1)
-flags.DEFINE_float("learning_rate", 0.05, "Learning rate.", lower_bound=0)
+flags.DEFINE_float("learning_rate", 0.05, "Learning rate for one worker's batch.",
+                   lower_bound=0)
+flags.DEFINE_bool("scale_learning_rate", True,
+                  "Multiply the learning rate by the number of gradients each update averages "
+                  "(the linear scaling rule), so that an update over N workers' batches moves "
+                  "as far as N single-worker steps.")
 flags.DEFINE_enum("optimizer", "sgd", ["sgd", "momentum", "adam"], "Keras optimizer.")
 flags.DEFINE_integer("seed", 0, "Seed of the weights and the train/test split.")
 flags.DEFINE_string("output_json", None, "Where the chief writes accuracy and timings.")
@@ -68,13 +73,22 @@ def main(argv):
     del argv
     (x_train, y_train), (x_test, y_test) = load_digits(FLAGS.seed)
     strategy = tfdist.strategies.from_flags()
+    learning_rate = FLAGS.learning_rate
+    if FLAGS.scale_learning_rate:
+        learning_rate *= getattr(strategy, "replicas_to_aggregate",
+                                 strategy.num_replicas_in_sync)
     with strategy.scope():
         model = build_model(FLAGS.seed)
-        model.compile(optimizer=make_optimizer(FLAGS.optimizer, FLAGS.learning_rate),
+        model.compile(optimizer=make_optimizer(FLAGS.optimizer, learning_rate),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    # tfdist's parameter-server strategies give each worker its own share of the data.
+    x_fit, y_fit = (strategy.shard(x_train, y_train) if hasattr(strategy, "shard")
+                    else (x_train, y_train))
     start = time.time()
-    history = model.fit(x_train, y_train, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs,
+    history = model.fit(x_fit, y_fit, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs,
                         shuffle=False, verbose=FLAGS.verbose)
+    if hasattr(strategy, "join"):
+        strategy.join()  # the chief waits for every worker: the weights are final after it
     train_seconds = time.time() - start
     loss, accuracy = model.evaluate(x_test, y_test, batch_size=256, verbose=0)
     config = os.environ.get("TF_CONFIG")

@@ -114,11 +114,14 @@ class LocalCluster:
       ps_threads: inter-op threads of each ps server.
       startup_timeout: seconds the ps tasks get to start listening.
       cwd: working directory of the tasks.
+      stop_on_failure: stop every task when one fails (default). With False the other
+        workers run on (a fault-tolerant job), and the run still ends non-zero naming the
+        first task that failed.
     """
 
     def __init__(self, command, num_ps=1, num_workers=1, timeout=None, grace_period=3.0,
                  env=None, output=sys.stdout, host="localhost", ps_threads=None,
-                 startup_timeout=30.0, cwd=None):
+                 startup_timeout=30.0, cwd=None, stop_on_failure=True):
         if not command or isinstance(command, str):
             raise ValueError(f"`command` must be a non-empty argv list. Received: {command!r}")
         if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
@@ -139,6 +142,7 @@ class LocalCluster:
         self.env = dict(env or {})
         self.output = output
         self.cwd = cwd
+        self.stop_on_failure = stop_on_failure
         ports = pick_free_ports(num_ps + num_workers)
         self.config = ClusterConfig.from_hosts(
             ps_hosts=[f"{host}:{p}" for p in ports[:num_ps]],
@@ -219,20 +223,26 @@ class LocalCluster:
         workers = [t for name, t in self._tasks.items() if name.startswith("worker")]
         ps_tasks = [t for name, t in self._tasks.items() if name.startswith("ps")]
         result = None
+        first_failure = None
         try:
             while result is None:
                 failed = [t for t in workers if t.process.poll() not in (None, 0)]
                 failed += [t for t in ps_tasks if t.process.poll() is not None]
-                if failed:
+                if failed and first_failure is None:
                     task = failed[0]
                     code = task.process.returncode
-                    result = LocalClusterResult(
+                    first_failure = LocalClusterResult(
                         returncode=code if code and code > 0 else 1, failed_task=task.name,
                         message=f"task {task.name} exited with {_signal_name(code)}")
-                    self._announce(f"{result.message}; stopping the other tasks")
-                    self._grace(workers)
-                elif all(t.process.poll() == 0 for t in workers):
-                    result = LocalClusterResult(returncode=0, message="all workers finished")
+                    if self.stop_on_failure or task in ps_tasks:
+                        self._announce(f"{first_failure.message}; stopping the other tasks")
+                        self._grace(workers)
+                        result = first_failure
+                        continue
+                    self._announce(f"{first_failure.message}; the other workers go on")
+                if all(t.process.poll() is not None for t in workers):
+                    result = first_failure or LocalClusterResult(
+                        returncode=0, message="all workers finished")
                 elif deadline is not None and time.monotonic() > deadline:
                     running = [t.name for t in workers if t.process.poll() is None]
                     result = LocalClusterResult(

@@ -39,6 +39,9 @@ flags.DEFINE_bool("local", False, "Start a whole cluster on this machine.")
 flags.DEFINE_integer("num_ps", 1, "With --local: number of ps tasks.", lower_bound=0)
 flags.DEFINE_integer("num_workers", 2, "With --local: number of worker tasks.", lower_bound=1)
 flags.DEFINE_float("timeout", None, "With --local: seconds the whole run may take.")
+flags.DEFINE_bool("stop_on_failure", True,
+                  "With --local: stop every task when one fails; --nostop_on_failure lets the "
+                  "other workers run on (fault-tolerant jobs).")
 flags.DEFINE_float("grace_period", 3.0,
                    "With --local: seconds the other tasks get after one fails.", lower_bound=0)
 
@@ -72,7 +75,7 @@ def _run_local(command):
                              "`tfdist-launch --local -- python train.py`")
     cluster = LocalCluster(command, num_ps=FLAGS.num_ps, num_workers=FLAGS.num_workers,
                            timeout=FLAGS.timeout, grace_period=FLAGS.grace_period,
-                           ps_threads=FLAGS.ps_threads)
+                           ps_threads=FLAGS.ps_threads, stop_on_failure=FLAGS.stop_on_failure)
 
     def _terminate(signum, frame):
         raise KeyboardInterrupt

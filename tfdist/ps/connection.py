@@ -1,11 +1,14 @@
 """A worker's connection to the ps tasks, and where each master variable lives."""
 
+import logging
 import threading
 
 import tensorflow as tf
 
 from tfdist.cluster import as_cluster_config
 from tfdist.cluster import wait_for_tasks
+
+log = logging.getLogger("tfdist")
 
 _connect_lock = threading.Lock()
 _connected = {}
@@ -26,10 +29,15 @@ class PSConnection:
       cluster: a `ClusterConfig`, TF_CONFIG dict or string, a cluster resolver, or None to
         read TF_CONFIG.
       connect_timeout: seconds the ps tasks get to start listening.
+      inter_op_threads: inter-op threads of this process's TF executor, set before the
+        runtime starts (None leaves TF's default). One thread is fastest where per-step
+        latency dominates, as with several worker processes sharing a few cores.
     """
 
-    def __init__(self, cluster=None, connect_timeout=30.0):
-        self.config = config = as_cluster_config(cluster)
+    @staticmethod
+    def validate(cluster=None):
+        """The cluster's `ClusterConfig`, checked for parameter-server training."""
+        config = as_cluster_config(cluster)
         if config.num_ps < 1:
             raise ValueError(
                 "a parameter-server strategy needs at least one ps task in the cluster. "
@@ -39,6 +47,10 @@ class PSConnection:
                 "a parameter-server strategy runs in a `chief` or `worker` task; ps tasks are "
                 f"served by `tfdist-launch --job_name=ps`. Received task type: "
                 f"{config.task_type!r}")
+        return config
+
+    def __init__(self, cluster=None, connect_timeout=30.0, inter_op_threads=1):
+        self.config = config = self.validate(cluster)
         self.num_ps = config.num_ps
         self.num_workers = config.num_workers
         self.rank = config.worker_rank
@@ -50,6 +62,12 @@ class PSConnection:
         wait_for_tasks(dict(zip(self.ps_names, config.cluster["ps"])), timeout=connect_timeout)
         spec = {"ps": list(config.cluster["ps"]),
                 config.task_type: {config.task_index: config.task_address}}
+        if inter_op_threads is not None:
+            try:
+                tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
+            except RuntimeError:
+                log.info("tfdist: TensorFlow already started; inter_op_threads=%s not applied",
+                         inter_op_threads)
         key = repr(sorted(spec.items(), key=str))
         with _connect_lock:
             if _connected.get("key") not in (None, key):

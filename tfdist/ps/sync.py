@@ -192,7 +192,7 @@ class Updater:
         self._live = set(range(self.num_workers))
         self._last_progress = time.monotonic()
         self._stopping = threading.Event()
-        self._collect = tf.function(self._collect_fn)
+        self._step = tf.function(self._step_fn)
         self._apply = tf.function(self._apply_fn)
         self._thread = threading.Thread(target=self._run, name="tfdist-updater", daemon=True)
         self._watchdog = threading.Thread(target=self._watch, name="tfdist-watchdog",
@@ -212,44 +212,56 @@ class Updater:
 
     # In-graph parts ----------------------------------------------------------------------
 
-    def _collect_fn(self, required, total, accepted, released, dropped):
+    def _collect(self, required, total, accepted, released, dropped):
         """Takes gradient-queue entries until `required` fresh ones or a control entry."""
         res = self.resources
-        with tf.device(res.device):
-            step = res.progress[0]
+        step = res.progress[0]
 
-            def cond(total, accepted, released, dropped, event, rank):
-                return tf.logical_and(accepted < required, tf.equal(event, 0))
+        def cond(total, accepted, released, dropped, event, rank):
+            return tf.logical_and(accepted < required, tf.equal(event, 0))
 
-            def body(total, accepted, released, dropped, event, rank):
-                entry_step, entry_rank, gradient = tf.raw_ops.QueueDequeueV2(
-                    handle=res.gradient_queue,
-                    component_types=[tf.int64, tf.int32, tf.float32])
-                entry_step = tf.reshape(entry_step, [])
-                entry_rank = tf.reshape(entry_rank, [])
-                control = entry_step < 0
-                fresh = tf.logical_and(tf.logical_not(control), entry_step >= step)
-                stale = tf.logical_and(tf.logical_not(control), entry_step < step)
-                total = tf.cond(
-                    fresh, lambda: total + tf.reshape(gradient, [self.layout.total_size]),
-                    lambda: total)
-                released = tf.logical_or(released, tf.logical_and(
-                    tf.logical_not(control),
-                    tf.cast(tf.one_hot(entry_rank, self.num_workers, dtype=tf.int32), tf.bool)))
-                return (total, accepted + tf.cast(fresh, tf.int32), released,
-                        dropped + tf.cast(stale, tf.int64),
-                        tf.where(control, tf.cast(-entry_step, tf.int32), 0), entry_rank)
+        def body(total, accepted, released, dropped, event, rank):
+            entry_step, entry_rank, gradient = tf.raw_ops.QueueDequeueV2(
+                handle=res.gradient_queue, component_types=[tf.int64, tf.int32, tf.float32])
+            entry_step = tf.reshape(entry_step, [])
+            entry_rank = tf.reshape(entry_rank, [])
+            control = entry_step < 0
+            fresh = tf.logical_and(tf.logical_not(control), entry_step >= step)
+            stale = tf.logical_and(tf.logical_not(control), entry_step < step)
+            total = tf.cond(
+                fresh, lambda: total + tf.reshape(gradient, [self.layout.total_size]),
+                lambda: total)
+            # A fresh push is released after the update it joins; a stale one at once, with
+            # the current step, so that its worker computes its next gradient on new weights.
+            released = tf.logical_or(released, tf.logical_and(
+                fresh, tf.cast(tf.one_hot(entry_rank, self.num_workers, dtype=tf.int32),
+                               tf.bool)))
+            release_stale = tf.cond(stale, lambda: self._release(entry_rank, step),
+                                    lambda: tf.constant(True))
+            with tf.control_dependencies([release_stale]):
+                total = tf.identity(total)
+            return (total, accepted + tf.cast(fresh, tf.int32), released,
+                    dropped + tf.cast(stale, tf.int64),
+                    tf.where(control, tf.cast(-entry_step, tf.int32), 0), entry_rank)
 
-            total.set_shape([self.layout.total_size])
-            return tf.while_loop(
-                cond, body, [total, accepted, released, dropped, tf.constant(0),
-                             tf.constant(-1)], parallel_iterations=1)
+        return tf.while_loop(
+            cond, body, [total, accepted, released, dropped, tf.constant(0), tf.constant(-1)],
+            parallel_iterations=1)
 
-    def _apply_fn(self, total, accepted, released, dropped):
+    def _release(self, rank, step):
+        """Puts token `step` on worker `rank`'s queue (in-graph, `rank` a tensor)."""
+        def branch(r):
+            def put():
+                with tf.control_dependencies([tf.raw_ops.QueueEnqueueV2(
+                        handle=self.resources.token_queues[r], components=[step])]):
+                    return tf.constant(True)
+            return put
+        return tf.switch_case(rank, [branch(r) for r in range(self.num_workers)])
+
+    def _apply_mean(self, total, accepted, released, dropped):
         """Applies the mean gradient with the user's optimizer, then releases the workers."""
         res = self.resources
-        mean = total / tf.cast(accepted, tf.float32)
-        gradients = self.layout.unflatten(mean)
+        gradients = self.layout.unflatten(total / tf.cast(accepted, tf.float32))
         _applier.active = True
         try:
             self.optimizer.apply(gradients, self.layout.variables)
@@ -257,23 +269,46 @@ class Updater:
             _applier.active = False
         # Releasing a worker lets it read the weights: only after every update has landed.
         barrier = [v.read_value() for v in self.layout.variables]
-        with tf.control_dependencies(barrier), tf.device(res.device):
+        with tf.control_dependencies(barrier):
             new_step = tf.cast(self.optimizer.iterations, tf.int64)
             old = res.progress.read_value()
             record = res.progress.assign(tf.stack([new_step, old[1] + dropped]))
-            with tf.control_dependencies([record]):
-                for rank in range(self.num_workers):
-                    tf.cond(released[rank],
-                            lambda rank=rank: tf.raw_ops.QueueEnqueueV2(
-                                handle=res.token_queues[rank], components=[new_step]),
-                            lambda: tf.no_op())
-            return new_step
+        with tf.control_dependencies([record]):
+            for rank in range(self.num_workers):
+                tf.cond(released[rank],
+                        lambda rank=rank: tf.raw_ops.QueueEnqueueV2(
+                            handle=res.token_queues[rank], components=[new_step]),
+                        lambda: tf.no_op())
+            return tf.identity(new_step)
+
+    def _step_fn(self, required, total, accepted, released, dropped):
+        """One round trip per update: collect, and apply when `required` gradients came.
+
+        Everything runs on ps task 0 (the variables on other ps tasks are updated where they
+        live); only a small summary comes back to the chief.
+        """
+        with tf.device(self.resources.device):
+            total, accepted, released, dropped, event, rank = self._collect(
+                required, total, accepted, released, dropped)
+            complete = tf.logical_and(tf.equal(event, 0), accepted >= required)
+            tf.cond(complete, lambda: self._apply_mean(total, accepted, released, dropped),
+                    lambda: tf.constant(0, tf.int64))
+        with tf.device(self.resources.connection.local_device):
+            summary = tf.stack([tf.cast(complete, tf.int64), tf.cast(event, tf.int64),
+                                tf.cast(rank, tf.int64), tf.cast(accepted, tf.int64),
+                                dropped])
+        return (total, accepted, released, dropped), summary
+
+    def _apply_fn(self, total, accepted, released, dropped):
+        with tf.device(self.resources.device):
+            return self._apply_mean(total, accepted, released, dropped)
 
     # Python loop ------------------------------------------------------------------------
 
     def _empty_state(self):
-        return (tf.zeros([self.layout.total_size]), tf.constant(0),
-                tf.zeros([self.num_workers], tf.bool), tf.constant(0, tf.int64))
+        with tf.device(self.resources.device):
+            return (tf.zeros([self.layout.total_size]), tf.constant(0),
+                    tf.zeros([self.num_workers], tf.bool), tf.constant(0, tf.int64))
 
     def _run(self):
         try:
@@ -284,18 +319,26 @@ class Updater:
             log.exception("tfdist: the updater failed; stopping every worker")
             self._stop_workers(TOKEN_ABORTED)
 
+    def _updated(self, dropped):
+        self.stats.updates += 1
+        self.stats.dropped += dropped
+        self._last_progress = time.monotonic()
+
     def _loop(self):
-        state = self._empty_state()
+        empty = self._empty_state()
+        state = empty
         while True:
             required = min(self.replicas_to_aggregate, len(self._live))
             if required == 0:
                 log.info("tfdist: every worker left; the updater stops after %d updates",
                          self.stats.updates)
                 return
-            total, accepted, released, dropped, event, rank = self._collect(
-                tf.constant(required), *state)
-            state = (total, accepted, released, dropped)
-            event, rank, accepted_now = int(event), int(rank), int(accepted)
+            state, summary = self._step(tf.constant(required), *state)
+            complete, event, rank, accepted, dropped = summary.numpy().tolist()
+            if complete:
+                self._updated(dropped)
+                state = empty
+                continue
             if event == -LEAVE:
                 self._live.discard(rank)
                 self.stats.left.append(rank)
@@ -317,13 +360,11 @@ class Updater:
                 return
             elif event == -STOP:
                 return
-            required = min(self.replicas_to_aggregate, len(self._live))
-            if accepted_now > 0 and accepted_now >= required:
+            # Fewer workers may now be enough for the gradients already taken.
+            if 0 < accepted >= min(self.replicas_to_aggregate, len(self._live)):
                 self._apply(*state)
-                self.stats.updates += 1
-                self.stats.dropped += int(dropped)
-                self._last_progress = time.monotonic()
-                state = self._empty_state()
+                self._updated(dropped)
+                state = empty
 
     def _stop_workers(self, token):
         self._stopping.set()

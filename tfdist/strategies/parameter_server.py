@@ -50,12 +50,13 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
     """The engine of the parameter-server strategies (one replica per worker process)."""
 
     def __init__(self, container_strategy, cluster=None, replicas_to_aggregate=None,
-                 worker_timeout=120.0, init_timeout=60.0, connect_timeout=30.0):
+                 worker_timeout=120.0, init_timeout=60.0, connect_timeout=30.0,
+                 inter_op_threads=1):
         for name, value in (("worker_timeout", worker_timeout), ("init_timeout", init_timeout),
                             ("connect_timeout", connect_timeout)):
             _check_positive(name, value)
-        connection = PSConnection(cluster, connect_timeout=connect_timeout)
-        total = connection.num_workers
+        config = PSConnection.validate(cluster)
+        total = config.num_workers
         if replicas_to_aggregate is None:
             replicas_to_aggregate = total
         if (isinstance(replicas_to_aggregate, bool) or not isinstance(replicas_to_aggregate, int)
@@ -63,6 +64,8 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             raise ValueError(
                 f"`replicas_to_aggregate` must be an integer between 1 and the number of "
                 f"workers total_replicas={total}. Received: {replicas_to_aggregate!r}")
+        connection = PSConnection(config, connect_timeout=connect_timeout,
+                                  inter_op_threads=inter_op_threads)
         super().__init__(container_strategy, connection.local_device)
         self._connection = connection
         self._replicas_to_aggregate = replicas_to_aggregate
@@ -313,6 +316,8 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
         A worker whose server goes away is noticed within about a second.
       init_timeout: seconds a worker waits for the chief to initialise the variables.
       connect_timeout: seconds the ps tasks get to start listening.
+      inter_op_threads: inter-op threads of this worker's TF executor (None: TF's default).
+        One is fastest when per-step latency dominates (small models, shared cores).
 
     Raises:
       ValueError: `replicas_to_aggregate` is not between 1 and the number of workers, the
@@ -321,11 +326,11 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
     """
 
     def __init__(self, replicas_to_aggregate=None, cluster=None, worker_timeout=120.0,
-                 init_timeout=60.0, connect_timeout=30.0):
+                 init_timeout=60.0, connect_timeout=30.0, inter_op_threads=1):
         super().__init__(ParameterServerExtended(
             self, cluster=cluster, replicas_to_aggregate=replicas_to_aggregate,
             worker_timeout=worker_timeout, init_timeout=init_timeout,
-            connect_timeout=connect_timeout))
+            connect_timeout=connect_timeout, inter_op_threads=inter_op_threads))
 
     @property
     def replicas_to_aggregate(self):

@@ -1,0 +1,105 @@
+"""A worker program for the parameter-server tests, run by the tests through the launcher.
+
+Scenarios:
+  equivalence  train a fixed shard; the chief saves initial and final weights.
+  late         the chief trains alone first; worker 1 then pushes a gradient computed at
+               step 0, which must be dropped and counted.
+  long         train long enough to be killed mid-run; print READY after the first epoch.
+"""
+
+import json
+import os
+import time
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app
+from absl import flags
+
+import tfdist
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("scenario", "equivalence", ["equivalence", "late", "long"], "What to run.")
+flags.DEFINE_string("out_dir", None, "Where to write results.")
+flags.DEFINE_integer("replicas_to_aggregate", None, "N.")
+flags.DEFINE_integer("epochs", 3, "Epochs.")
+flags.DEFINE_float("worker_timeout", 60.0, "Updater timeout.")
+flags.DEFINE_enum("optimizer", "sgd", ["sgd", "momentum", "adam"], "Optimizer.")
+
+ROWS, BATCH = 128, 16
+
+
+def data():
+    rng = np.random.RandomState(0)
+    x = rng.randn(ROWS, 8).astype("float32")
+    y = (x[:, :4].sum(1) > x[:, 4:].sum(1)).astype("int32")
+    return x, y
+
+
+def build_model(optimizer):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(2, activation="softmax")])
+    optimizers = {"sgd": lambda: keras.optimizers.SGD(0.1),
+                  "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+                  "adam": lambda: keras.optimizers.Adam(0.01)}
+    model.compile(optimizer=optimizers[optimizer](), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    return model
+
+
+def wait_for_file(path, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.05)
+
+
+def save(name, **values):
+    with open(os.path.join(FLAGS.out_dir, name), "w") as f:
+        json.dump(values, f)
+
+
+class Ready(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            print("READY", flush=True)
+
+
+def main(argv):
+    del argv
+    strategy = tfdist.strategies.SoftSyncStrategy(
+        replicas_to_aggregate=FLAGS.replicas_to_aggregate, worker_timeout=FLAGS.worker_timeout)
+    rank = strategy.worker_index
+    with strategy.scope():
+        model = build_model(FLAGS.optimizer)
+    x, y = data()
+    xs, ys = strategy.shard(x, y)
+    if strategy.is_chief:
+        save("initial.json", weights=[w.tolist() for w in model.get_weights()])
+    if FLAGS.scenario == "late":
+        if rank == 0:
+            history = model.fit(xs, ys, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+            save("chief_done", step=strategy.progress()[0])
+        else:
+            wait_for_file(os.path.join(FLAGS.out_dir, "chief_done"))
+            history = model.fit(xs[:3 * BATCH], ys[:3 * BATCH], batch_size=BATCH, epochs=1,
+                                shuffle=False, verbose=0)
+    else:
+        callbacks = [Ready()] if FLAGS.scenario == "long" else []
+        history = model.fit(xs, ys, batch_size=BATCH, epochs=FLAGS.epochs, shuffle=False,
+                            verbose=0, callbacks=callbacks)
+    strategy.join()
+    result = {"history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
+              "progress": strategy.progress()}
+    if strategy.is_chief:
+        stats = strategy.updater_stats
+        result.update(updates=stats.updates, dropped=stats.dropped, left=stats.left,
+                      dead=stats.dead, weights=[w.tolist() for w in model.get_weights()])
+    save(f"worker{rank}.json", **result)
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("out_dir")
+    app.run(main)

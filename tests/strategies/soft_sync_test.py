@@ -1,0 +1,174 @@
+"""SoftSyncStrategy: hard-sync equivalence, dropped stale gradients, faults, bad arguments.
+
+Multi-process tests run `ps_program.py` on a local cluster; every run has a deadline and the
+launcher reaps every process, also when an assertion fails.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import tfdist
+from tests.strategies import ps_program
+from tfdist.cluster import ClusterConfig
+from tfdist.cluster import TaskUnreachableError
+from tfdist.cluster import pick_free_ports
+from tfdist.launch import LocalCluster
+
+PROGRAM = os.path.join(os.path.dirname(__file__), "ps_program.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+RUN_TIMEOUT = 180
+
+
+def _cluster(out_dir, num_workers, *flags, **kwargs):
+    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return LocalCluster([sys.executable, PROGRAM, f"--out_dir={out_dir}", *flags],
+                        num_ps=kwargs.pop("num_ps", 1), num_workers=num_workers,
+                        timeout=RUN_TIMEOUT, output=None, env=env, **kwargs)
+
+
+def _load(out_dir, name):
+    with open(os.path.join(out_dir, name)) as f:
+        return json.load(f)
+
+
+def _log(cluster):
+    return "\n".join(f"[{task}] {line}" for task, line in cluster.lines[-150:])
+
+
+def _wait_for_line(cluster, text, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(text in line for _, line in list(cluster.lines)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no line with {text!r} within {timeout} s:\n{_log(cluster)}")
+
+
+class HardSyncEquivalenceTest(tf.test.TestCase):
+
+    def test_two_workers_match_one_process_on_the_combined_batch(self):
+        out = self.get_temp_dir()
+        with _cluster(out, 2, "--scenario=equivalence", "--epochs=3", num_ps=2) as cluster:
+            result = cluster.wait()
+        self.assertEqual(result.returncode, 0, _log(cluster))
+        chief = _load(out, "worker0.json")
+        self.assertEqual(chief["updates"], 3 * (ps_program.ROWS // 2 // ps_program.BATCH))
+        self.assertEqual(chief["dropped"], 0)
+        self.assertEqual(chief["history"]["global_step"][-1], chief["updates"])
+
+        # One process, plain SGD, on batches made of worker 0's and worker 1's batch j.
+        x, y = ps_program.data()
+        half, batch = ps_program.ROWS // 2, ps_program.BATCH
+        order = np.concatenate([np.r_[j * batch:(j + 1) * batch,
+                                      half + j * batch:half + (j + 1) * batch]
+                                for j in range(half // batch)])
+        model = ps_program.build_model("sgd")
+        model.set_weights([np.array(w, "float32") for w in _load(out, "initial.json")["weights"]])
+        model.fit(x[order], y[order], batch_size=2 * batch, epochs=3, shuffle=False, verbose=0)
+        for got, want in zip(chief["weights"], model.get_weights()):
+            self.assertAllClose(np.array(got), want, rtol=1e-5, atol=1e-6)
+
+
+class DroppedGradientTest(tf.test.TestCase):
+
+    def test_a_gradient_from_an_old_step_is_dropped_and_counted(self):
+        out = self.get_temp_dir()
+        with _cluster(out, 2, "--scenario=late", "--replicas_to_aggregate=1") as cluster:
+            result = cluster.wait()
+        self.assertEqual(result.returncode, 0, _log(cluster))
+        chief, late = _load(out, "worker0.json"), _load(out, "worker1.json")
+        chief_steps = _load(out, "chief_done")["step"]
+        self.assertEqual(chief_steps, ps_program.ROWS // 2 // ps_program.BATCH)
+        # Worker 1 read step 0 at start; the chief had moved on: its first push is dropped,
+        # the two after it (read at the new step) are applied.
+        self.assertEqual(chief["dropped"], 1)
+        self.assertEqual(chief["updates"], chief_steps + 2)
+        self.assertEqual(late["history"]["dropped_gradients"][-1], 1)
+        self.assertEqual(late["progress"], [chief_steps + 2, 1])
+
+
+class FaultTest(tf.test.TestCase):
+
+    def test_soft_sync_survives_a_killed_worker(self):
+        out = self.get_temp_dir()
+        with _cluster(out, 3, "--scenario=long", "--epochs=40", "--replicas_to_aggregate=2",
+                      stop_on_failure=False) as cluster:
+            _wait_for_line(cluster, "READY")
+            os.kill(cluster.pid("worker:2"), signal.SIGKILL)
+            result = cluster.wait()
+        self.assertEqual(result.failed_task, "worker:2", _log(cluster))
+        self.assertEqual(result.task_returncodes["worker:0"], 0, _log(cluster))
+        self.assertEqual(result.task_returncodes["worker:1"], 0, _log(cluster))
+        chief = _load(out, "worker0.json")
+        self.assertEqual(chief["dead"], [2])
+        self.assertEqual(len(chief["history"]["loss"]), 40)
+
+    def test_hard_sync_names_the_dead_worker(self):
+        out = self.get_temp_dir()
+        with _cluster(out, 2, "--scenario=long", "--epochs=400", "--worker_timeout=30",
+                      stop_on_failure=False) as cluster:
+            _wait_for_line(cluster, "READY")
+            killed_at = time.monotonic()
+            os.kill(cluster.pid("worker:1"), signal.SIGKILL)
+            result = cluster.wait()
+            elapsed = time.monotonic() - killed_at
+        self.assertEqual(result.failed_task, "worker:1")
+        self.assertNotEqual(result.task_returncodes["worker:0"], 0)
+        self.assertLess(elapsed, 30, "the survivor should fail well before worker_timeout")
+        chief_lines = "\n".join(line for task, line in cluster.lines if task == "worker:0")
+        self.assertRegex(chief_lines, r"/job:worker/task:1 at localhost:\d+ died, and with "
+                                      r"replicas_to_aggregate equal to the number of workers")
+
+
+class ConstructionTest(tf.test.TestCase):
+
+    def _config(self, num_ps=1, num_workers=2):
+        ports = pick_free_ports(num_ps + num_workers)
+        return ClusterConfig.from_hosts(
+            ps_hosts=[f"localhost:{p}" for p in ports[:num_ps]],
+            worker_hosts=[f"localhost:{p}" for p in ports[num_ps:]], job_name="worker",
+            task_index=0)
+
+    def test_replicas_to_aggregate_out_of_range(self):
+        for bad in (0, 3, -1, 1.5, True):
+            with self.assertRaisesRegex(
+                    ValueError, r"`replicas_to_aggregate` must be an integer between 1 and the "
+                                r"number of workers total_replicas=2. Received: "):
+                tfdist.strategies.SoftSyncStrategy(bad, cluster=self._config())
+
+    def test_cluster_without_ps(self):
+        with self.assertRaisesRegex(ValueError, "needs at least one ps task"):
+            tfdist.strategies.SoftSyncStrategy(cluster=self._config(num_ps=0))
+
+    def test_ps_task_cannot_train(self):
+        config = self._config().with_task("ps", 0)
+        with self.assertRaisesRegex(ValueError, "runs in a `chief` or `worker` task"):
+            tfdist.strategies.SoftSyncStrategy(cluster=config)
+
+    def test_unreachable_ps_is_named(self):
+        config = self._config()
+        with self.assertRaisesRegex(TaskUnreachableError,
+                                    r"/job:ps/task:0 at localhost:\d+ did not answer in 1 s"):
+            tfdist.strategies.SoftSyncStrategy(cluster=config, connect_timeout=1)
+
+    def test_bad_timeouts(self):
+        with self.assertRaisesRegex(ValueError, "`worker_timeout` must be a positive number"):
+            tfdist.strategies.SoftSyncStrategy(cluster=self._config(), worker_timeout=0)
+
+    def test_registry_name(self):
+        self.assertIn("soft_sync", tfdist.strategies.names())
+        with self.assertRaisesRegex(ValueError, "needs at least one ps task"):
+            tfdist.strategies.get("soft_sync", cluster=self._config(num_ps=0))
+
+
+del keras
+
+if __name__ == "__main__":
+    tf.test.main()
