@@ -5,6 +5,8 @@ Scenarios:
   late         the chief trains alone first; worker 1 then pushes a gradient computed at
                step 0, which must be dropped and counted.
   long         train long enough to be killed mid-run; print READY after the first epoch.
+  checkpoint   BackupAndRestore on every worker (own directory), ModelCheckpoint on the
+               chief; with --crash_after_epoch the chief dies after that epoch.
 """
 
 import json
@@ -19,7 +21,9 @@ from absl import flags
 import tfdist
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("scenario", "equivalence", ["equivalence", "late", "long"], "What to run.")
+flags.DEFINE_enum("scenario", "equivalence", ["equivalence", "late", "long", "checkpoint"],
+                  "What to run.")
+flags.DEFINE_integer("crash_after_epoch", -1, "checkpoint: the chief dies after this epoch.")
 flags.DEFINE_string("out_dir", None, "Where to write results.")
 flags.DEFINE_integer("replicas_to_aggregate", None, "N.")
 flags.DEFINE_integer("epochs", 3, "Epochs.")
@@ -61,6 +65,17 @@ def save(name, **values):
         json.dump(values, f)
 
 
+class Crash(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            print(f"CRASH after epoch {epoch}", flush=True)
+            os._exit(3)
+
+
 class Ready(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if epoch == 0:
@@ -86,6 +101,16 @@ def main(argv):
             wait_for_file(os.path.join(FLAGS.out_dir, "chief_done"))
             history = model.fit(xs[:3 * BATCH], ys[:3 * BATCH], batch_size=BATCH, epochs=1,
                                 shuffle=False, verbose=0)
+    elif FLAGS.scenario == "checkpoint":
+        callbacks = [keras.callbacks.BackupAndRestore(
+            os.path.join(FLAGS.out_dir, f"backup{rank}"))]
+        if strategy.is_chief:
+            callbacks.append(keras.callbacks.ModelCheckpoint(
+                os.path.join(FLAGS.out_dir, "model.weights.h5"), save_weights_only=True))
+            if FLAGS.crash_after_epoch >= 0:
+                callbacks.append(Crash(FLAGS.crash_after_epoch))
+        history = model.fit(xs, ys, batch_size=BATCH, epochs=FLAGS.epochs, shuffle=False,
+                            verbose=0, callbacks=callbacks)
     else:
         callbacks = [Ready()] if FLAGS.scenario == "long" else []
         history = model.fit(xs, ys, batch_size=BATCH, epochs=FLAGS.epochs, shuffle=False,

@@ -127,6 +127,32 @@ class FaultTest(tf.test.TestCase):
                                       r"replicas_to_aggregate equal to the number of workers")
 
 
+class CheckpointTest(tf.test.TestCase):
+
+    def test_backup_and_restore_resumes_and_model_checkpoint_loads(self):
+        out = self.get_temp_dir()
+        with _cluster(out, 2, "--scenario=checkpoint", "--epochs=4",
+                      "--crash_after_epoch=1") as cluster:
+            crashed = cluster.wait()
+        self.assertEqual(crashed.failed_task, "worker:0", _log(cluster))
+        self.assertRegex(_log(cluster), r"the chief /job:worker/task:0 at localhost:\d+ is gone")
+        steps_per_epoch = ps_program.ROWS // 2 // ps_program.BATCH
+        # A new cluster (new ps) resumes from the backups: epochs 3 and 4 only, and the
+        # optimizer's step (the global step) goes on from where the backup left it.
+        with _cluster(out, 2, "--scenario=checkpoint", "--epochs=4") as cluster:
+            resumed = cluster.wait()
+        self.assertEqual(resumed.returncode, 0, _log(cluster))
+        chief = _load(out, "worker0.json")
+        self.assertEqual(chief["history"]["global_step"],
+                         [3 * steps_per_epoch, 4 * steps_per_epoch])
+        self.assertEqual(chief["updates"], 2 * steps_per_epoch)
+        # The chief's ModelCheckpoint holds the final master weights.
+        model = ps_program.build_model("sgd")
+        model.load_weights(os.path.join(out, "model.weights.h5"))
+        for got, want in zip(model.get_weights(), chief["weights"]):
+            self.assertAllClose(got, np.array(want), rtol=0, atol=0)
+
+
 class ConstructionTest(tf.test.TestCase):
 
     def _config(self, num_ps=1, num_workers=2):

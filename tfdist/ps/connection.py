@@ -2,9 +2,11 @@
 
 import logging
 import threading
+import time
 
 import tensorflow as tf
 
+from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import as_cluster_config
 from tfdist.cluster import wait_for_tasks
 
@@ -82,7 +84,29 @@ class PSConnection:
         self.local_device = (f"/job:{config.task_type}/replica:0/task:{config.task_index}"
                              "/device:CPU:0")
         self.ps_devices = [ps_device(i) for i in range(self.num_ps)]
+        self._ping(connect_timeout)
         self._bytes_per_ps = [0] * self.num_ps
+
+    def _ping(self, timeout):
+        """Runs one op on every ps task, retrying while the first connections settle.
+
+        A first remote op right after connecting can fail with "connection refused" or "reset
+        by peer" while the gRPC channels come up (seen on this runtime); later ones do not.
+        """
+        deadline = time.monotonic() + timeout
+        for name, device in zip(self.ps_names, self.ps_devices):
+            while True:
+                try:
+                    with tf.device(device):
+                        (tf.constant(1) + 1).numpy()
+                    break
+                except (tf.errors.UnavailableError, tf.errors.UnknownError,
+                        tf.errors.InternalError) as e:
+                    if time.monotonic() > deadline:
+                        raise TaskUnreachableError(
+                            f"{name} at {self.config.address('ps', self.ps_names.index(name))} "
+                            f"did not answer ops within {timeout:g} s: {e.message}") from None
+                    time.sleep(0.2)
 
     def place(self, shape, dtype):
         """The ps device for a new variable: the one holding the fewest bytes so far.

@@ -158,6 +158,7 @@ class UpdaterStats:
 
     def __init__(self):
         self.updates = 0
+        self.aggregated = 0
         self.dropped = 0
         self.left = []
         self.dead = []
@@ -319,8 +320,9 @@ class Updater:
             log.exception("tfdist: the updater failed; stopping every worker")
             self._stop_workers(TOKEN_ABORTED)
 
-    def _updated(self, dropped):
+    def _updated(self, accepted, dropped):
         self.stats.updates += 1
+        self.stats.aggregated += accepted
         self.stats.dropped += dropped
         self._last_progress = time.monotonic()
 
@@ -336,7 +338,7 @@ class Updater:
             state, summary = self._step(tf.constant(required), *state)
             complete, event, rank, accepted, dropped = summary.numpy().tolist()
             if complete:
-                self._updated(dropped)
+                self._updated(accepted, dropped)
                 state = empty
                 continue
             if event == -LEAVE:
@@ -363,7 +365,7 @@ class Updater:
             # Fewer workers may now be enough for the gradients already taken.
             if 0 < accepted >= min(self.replicas_to_aggregate, len(self._live)):
                 self._apply(*state)
-                self._updated(dropped)
+                self._updated(accepted, dropped)
                 state = empty
 
     def _stop_workers(self, token):

@@ -1,0 +1,96 @@
+"""Worker program of the parameter-server benchmarks: digits, one optional straggler.
+
+Every worker trains until the chief has measured the update rate over `--window` seconds
+(after `--warmup` seconds), then stops. The chief writes `rate.json`; every worker writes its
+mean step time to `worker<rank>.json`.
+"""
+
+import json
+import os
+import threading
+import time
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app
+from absl import flags
+
+import tfdist
+
+FLAGS = flags.FLAGS
+tfdist.strategies.define_flags(default="soft_sync")
+flags.DEFINE_string("out_dir", None, "Where to write results.")
+flags.DEFINE_integer("straggler_rank", -1, "Worker rank slowed down (-1: none).")
+flags.DEFINE_float("straggler_delay", 0.0, "Seconds the straggler sleeps after each step.")
+flags.DEFINE_float("warmup", 4.0, "Seconds before the measurement window.")
+flags.DEFINE_float("window", 10.0, "Seconds of the measurement window.")
+flags.DEFINE_integer("batch_size", 32, "Per-worker batch size.")
+
+
+class _Pace(keras.callbacks.Callback):
+    """Slows the straggler, records step times, and stops when the chief says so."""
+
+    def __init__(self, delay, stop_file):
+        super().__init__()
+        self.delay, self.stop_file = delay, stop_file
+        self.step_times, self._last = [], None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.delay:
+            time.sleep(self.delay)
+        now = time.monotonic()
+        if self._last is not None:
+            self.step_times.append(now - self._last)
+        self._last = now
+        if os.path.exists(self.stop_file):
+            self.model.stop_training = True
+
+
+def _measure(strategy, out_dir):
+    """On the chief: global steps per second over the window."""
+    time.sleep(FLAGS.warmup)
+    step0, dropped0 = strategy.progress()
+    start = time.monotonic()
+    time.sleep(FLAGS.window)
+    step1, dropped1 = strategy.progress()
+    elapsed = time.monotonic() - start
+    with open(os.path.join(out_dir, "rate.json"), "w") as f:
+        json.dump({"updates_per_second": (step1 - step0) / elapsed,
+                   "dropped_per_second": (dropped1 - dropped0) / elapsed}, f)
+    open(os.path.join(out_dir, "stop"), "w").close()
+
+
+def main(argv):
+    del argv
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x, y = (x / 16.0).astype("float32"), y.astype("int32")
+    strategy = tfdist.strategies.from_flags()
+    rank = getattr(strategy, "worker_index", 0)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
+                                  keras.layers.Dense(10, activation="softmax")])
+        model.compile(optimizer=keras.optimizers.SGD(0.05),
+                      loss="sparse_categorical_crossentropy")
+    if hasattr(strategy, "shard"):
+        x, y = strategy.shard(x, y)
+    # Enough data for the whole window: the chief's stop file ends training.
+    x, y = np.tile(x, (50, 1)), np.tile(y, 50)
+    pace = _Pace(FLAGS.straggler_delay if rank == FLAGS.straggler_rank else 0.0,
+                 os.path.join(FLAGS.out_dir, "stop"))
+    if rank == 0:
+        threading.Thread(target=_measure, args=(strategy, FLAGS.out_dir), daemon=True).start()
+    model.fit(x, y, batch_size=FLAGS.batch_size, epochs=1, verbose=0, callbacks=[pace])
+    if hasattr(strategy, "join"):
+        strategy.join()
+    times = pace.step_times[5:] or pace.step_times
+    with open(os.path.join(FLAGS.out_dir, f"worker{rank}.json"), "w") as f:
+        json.dump({"mean_step_seconds": float(np.mean(times)), "steps": len(pace.step_times)},
+                  f)
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("out_dir")
+    app.run(main)

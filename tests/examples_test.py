@@ -1,0 +1,36 @@
+"""The README's main job: digits on a local 1-ps / 3-worker cluster matches one process."""
+
+import json
+import os
+import subprocess
+import sys
+
+import tensorflow as tf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "train_digits.py")
+
+
+class TrainDigitsTest(tf.test.TestCase):
+
+    def _accuracy(self, *launcher, flags=()):
+        path = os.path.join(self.get_temp_dir(), "result.json")
+        command = [*launcher, sys.executable, EXAMPLE, f"--output_json={path}", "--verbose=0",
+                   *flags]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=ROOT)
+        self.assertEqual(result.returncode, 0, result.stdout[-3000:] + result.stderr[-3000:])
+        with open(path) as f:
+            return json.load(f)
+
+    def test_soft_sync_on_three_workers_matches_one_process(self):
+        single = self._accuracy(flags=["--strategy=one_device"])
+        cluster = self._accuracy(sys.executable, "-m", "tfdist.launch", "--local", "--num_ps=1",
+                                 "--num_workers=3", "--timeout=300", "--")
+        self.assertEqual(cluster["strategy"], "soft_sync")
+        self.assertGreater(single["test_accuracy"], 0.93)
+        self.assertGreater(cluster["test_accuracy"], single["test_accuracy"] - 0.01)
+        self.assertEqual(cluster["history"]["dropped_gradients"][-1], 0)
+
+
+if __name__ == "__main__":
+    tf.test.main()
