@@ -13,6 +13,7 @@ import time
 import keras
 import numpy as np
 import tensorflow as tf
+from absl.testing import parameterized
 
 import tfdist
 from tests.strategies import ps_program
@@ -51,11 +52,13 @@ def _wait_for_line(cluster, text, timeout=120):
     raise AssertionError(f"no line with {text!r} within {timeout} s:\n{_log(cluster)}")
 
 
-class HardSyncEquivalenceTest(tf.test.TestCase):
+class HardSyncEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
 
-    def test_two_workers_match_one_process_on_the_combined_batch(self):
+    @parameterized.parameters("sgd", "adam")
+    def test_two_workers_match_one_process_on_the_combined_batch(self, optimizer):
         out = self.get_temp_dir()
-        with _cluster(out, 2, "--scenario=equivalence", "--epochs=3", num_ps=2) as cluster:
+        with _cluster(out, 2, "--scenario=equivalence", "--epochs=3", f"--optimizer={optimizer}",
+                      num_ps=2) as cluster:
             result = cluster.wait()
         self.assertEqual(result.returncode, 0, _log(cluster))
         chief = _load(out, "worker0.json")
@@ -63,13 +66,13 @@ class HardSyncEquivalenceTest(tf.test.TestCase):
         self.assertEqual(chief["dropped"], 0)
         self.assertEqual(chief["history"]["global_step"][-1], chief["updates"])
 
-        # One process, plain SGD, on batches made of worker 0's and worker 1's batch j.
+        # One process, same optimizer, on batches made of worker 0's and worker 1's batch j.
         x, y = ps_program.data()
         half, batch = ps_program.ROWS // 2, ps_program.BATCH
         order = np.concatenate([np.r_[j * batch:(j + 1) * batch,
                                       half + j * batch:half + (j + 1) * batch]
                                 for j in range(half // batch)])
-        model = ps_program.build_model("sgd")
+        model = ps_program.build_model(optimizer)
         model.set_weights([np.array(w, "float32") for w in _load(out, "initial.json")["weights"]])
         model.fit(x[order], y[order], batch_size=2 * batch, epochs=3, shuffle=False, verbose=0)
         for got, want in zip(chief["weights"], model.get_weights()):
