@@ -49,14 +49,17 @@ class _Pace(keras.callbacks.Callback):
 def _measure(strategy, out_dir):
     """On the chief: global steps per second over the window."""
     time.sleep(FLAGS.warmup)
-    step0, dropped0 = strategy.progress()
+    before = strategy.progress()
     start = time.monotonic()
     time.sleep(FLAGS.window)
-    step1, dropped1 = strategy.progress()
+    after = strategy.progress()
     elapsed = time.monotonic() - start
     with open(os.path.join(out_dir, "rate.json"), "w") as f:
-        json.dump({"updates_per_second": (step1 - step0) / elapsed,
-                   "dropped_per_second": (dropped1 - dropped0) / elapsed}, f)
+        json.dump({name: (after[name] - before[name]) / elapsed for name in
+                   ("global_step", "dropped_gradients", "aggregated_gradients")}
+                  | {"updates_per_second": (after["global_step"] - before["global_step"])
+                     / elapsed, "staleness_max": after["staleness_max"],
+                     "staleness_mean": after["staleness_mean"]}, f)
     open(os.path.join(out_dir, "stop"), "w").close()
 
 

@@ -15,6 +15,7 @@ import time
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 from absl import app
 from absl import flags
 
@@ -25,10 +26,13 @@ flags.DEFINE_enum("scenario", "equivalence", ["equivalence", "late", "long", "ch
                   "What to run.")
 flags.DEFINE_integer("crash_after_epoch", -1, "checkpoint: the chief dies after this epoch.")
 flags.DEFINE_string("out_dir", None, "Where to write results.")
-flags.DEFINE_integer("replicas_to_aggregate", None, "N.")
+tfdist.strategies.define_flags(default="soft_sync")
 flags.DEFINE_integer("epochs", 3, "Epochs.")
 flags.DEFINE_float("worker_timeout", 60.0, "Updater timeout.")
 flags.DEFINE_enum("optimizer", "sgd", ["sgd", "momentum", "adam"], "Optimizer.")
+flags.DEFINE_integer("slow_rank", -1, "A worker that sleeps after each step.")
+flags.DEFINE_float("slow_delay", 0.05, "Its sleep, in seconds.")
+flags.DEFINE_bool("frozen", False, "async: a staleness function that zeroes every update.")
 
 ROWS, BATCH = 128, 16
 
@@ -76,6 +80,11 @@ class Crash(keras.callbacks.Callback):
             os._exit(3)
 
 
+class Slow(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        time.sleep(FLAGS.slow_delay)
+
+
 class Ready(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if epoch == 0:
@@ -84,8 +93,10 @@ class Ready(keras.callbacks.Callback):
 
 def main(argv):
     del argv
-    strategy = tfdist.strategies.SoftSyncStrategy(
-        replicas_to_aggregate=FLAGS.replicas_to_aggregate, worker_timeout=FLAGS.worker_timeout)
+    overrides = {"worker_timeout": FLAGS.worker_timeout}
+    if FLAGS.frozen:
+        overrides["staleness"] = lambda tau: 0.0 * tf.cast(tau, tf.float32)
+    strategy = tfdist.strategies.from_flags(**overrides)
     rank = strategy.worker_index
     with strategy.scope():
         model = build_model(FLAGS.optimizer)
@@ -96,7 +107,7 @@ def main(argv):
     if FLAGS.scenario == "late":
         if rank == 0:
             history = model.fit(xs, ys, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-            save("chief_done", step=strategy.progress()[0])
+            save("chief_done", step=strategy.progress()["global_step"])
         else:
             wait_for_file(os.path.join(FLAGS.out_dir, "chief_done"))
             history = model.fit(xs[:3 * BATCH], ys[:3 * BATCH], batch_size=BATCH, epochs=1,
@@ -113,14 +124,18 @@ def main(argv):
                             verbose=0, callbacks=callbacks)
     else:
         callbacks = [Ready()] if FLAGS.scenario == "long" else []
+        if rank == FLAGS.slow_rank:
+            callbacks.append(Slow())
         history = model.fit(xs, ys, batch_size=BATCH, epochs=FLAGS.epochs, shuffle=False,
                             verbose=0, callbacks=callbacks)
     strategy.join()
     result = {"history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
-              "progress": strategy.progress()}
+              "progress": strategy.progress(),
+              "pushes": int(sum(len(range(0, len(xs), BATCH)) for _ in history.epoch))}
     if strategy.is_chief:
         stats = strategy.updater_stats
-        result.update(updates=stats.updates, dropped=stats.dropped, left=stats.left,
+        result.update(updates=stats.updates, dropped=stats.dropped,
+                      aggregated=stats.aggregated, left=stats.left,
                       dead=stats.dead, weights=[w.tolist() for w in model.get_weights()])
     save(f"worker{rank}.json", **result)
 

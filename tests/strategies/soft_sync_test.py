@@ -4,10 +4,8 @@ Multi-process tests run `ps_program.py` on a local cluster; every run has a dead
 launcher reaps every process, also when an assertion fails.
 """
 
-import json
 import os
 import signal
-import sys
 import time
 
 import keras
@@ -17,39 +15,13 @@ from absl.testing import parameterized
 
 import tfdist
 from tests.strategies import ps_program
+from tests.strategies.ps_testing import cluster_log
+from tests.strategies.ps_testing import load_result
+from tests.strategies.ps_testing import make_cluster
+from tests.strategies.ps_testing import wait_for_line
 from tfdist.cluster import ClusterConfig
 from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import pick_free_ports
-from tfdist.launch import LocalCluster
-
-PROGRAM = os.path.join(os.path.dirname(__file__), "ps_program.py")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-RUN_TIMEOUT = 180
-
-
-def _cluster(out_dir, num_workers, *flags, **kwargs):
-    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return LocalCluster([sys.executable, PROGRAM, f"--out_dir={out_dir}", *flags],
-                        num_ps=kwargs.pop("num_ps", 1), num_workers=num_workers,
-                        timeout=RUN_TIMEOUT, output=None, env=env, **kwargs)
-
-
-def _load(out_dir, name):
-    with open(os.path.join(out_dir, name)) as f:
-        return json.load(f)
-
-
-def _log(cluster):
-    return "\n".join(f"[{task}] {line}" for task, line in cluster.lines[-150:])
-
-
-def _wait_for_line(cluster, text, timeout=120):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(text in line for _, line in list(cluster.lines)):
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"no line with {text!r} within {timeout} s:\n{_log(cluster)}")
 
 
 class HardSyncEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
@@ -57,11 +29,11 @@ class HardSyncEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.parameters("sgd", "adam")
     def test_two_workers_match_one_process_on_the_combined_batch(self, optimizer):
         out = self.get_temp_dir()
-        with _cluster(out, 2, "--scenario=equivalence", "--epochs=3", f"--optimizer={optimizer}",
-                      num_ps=2) as cluster:
+        with make_cluster(out, 2, "--scenario=equivalence", "--epochs=3",
+                          f"--optimizer={optimizer}", num_ps=2) as cluster:
             result = cluster.wait()
-        self.assertEqual(result.returncode, 0, _log(cluster))
-        chief = _load(out, "worker0.json")
+        self.assertEqual(result.returncode, 0, cluster_log(cluster))
+        chief = load_result(out, "worker0.json")
         self.assertEqual(chief["updates"], 3 * (ps_program.ROWS // 2 // ps_program.BATCH))
         self.assertEqual(chief["dropped"], 0)
         self.assertEqual(chief["history"]["global_step"][-1], chief["updates"])
@@ -73,7 +45,8 @@ class HardSyncEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
                                       half + j * batch:half + (j + 1) * batch]
                                 for j in range(half // batch)])
         model = ps_program.build_model(optimizer)
-        model.set_weights([np.array(w, "float32") for w in _load(out, "initial.json")["weights"]])
+        initial = load_result(out, "initial.json")["weights"]
+        model.set_weights([np.array(w, "float32") for w in initial])
         model.fit(x[order], y[order], batch_size=2 * batch, epochs=3, shuffle=False, verbose=0)
         for got, want in zip(chief["weights"], model.get_weights()):
             self.assertAllClose(np.array(got), want, rtol=1e-5, atol=1e-6)
@@ -83,41 +56,45 @@ class DroppedGradientTest(tf.test.TestCase):
 
     def test_a_gradient_from_an_old_step_is_dropped_and_counted(self):
         out = self.get_temp_dir()
-        with _cluster(out, 2, "--scenario=late", "--replicas_to_aggregate=1") as cluster:
+        with make_cluster(out, 2, "--scenario=late",
+                      "--strategy_arg=replicas_to_aggregate=1") as cluster:
             result = cluster.wait()
-        self.assertEqual(result.returncode, 0, _log(cluster))
-        chief, late = _load(out, "worker0.json"), _load(out, "worker1.json")
-        chief_steps = _load(out, "chief_done")["step"]
+        self.assertEqual(result.returncode, 0, cluster_log(cluster))
+        chief, late = load_result(out, "worker0.json"), load_result(out, "worker1.json")
+        chief_steps = load_result(out, "chief_done")["step"]
         self.assertEqual(chief_steps, ps_program.ROWS // 2 // ps_program.BATCH)
         # Worker 1 read step 0 at start; the chief had moved on: its first push is dropped,
         # the two after it (read at the new step) are applied.
         self.assertEqual(chief["dropped"], 1)
         self.assertEqual(chief["updates"], chief_steps + 2)
         self.assertEqual(late["history"]["dropped_gradients"][-1], 1)
-        self.assertEqual(late["progress"], [chief_steps + 2, 1])
+        self.assertEqual(late["progress"]["global_step"], chief_steps + 2)
+        self.assertEqual(late["progress"]["dropped_gradients"], 1)
+        self.assertEqual(late["progress"]["aggregated_gradients"], chief_steps + 2)
 
 
 class FaultTest(tf.test.TestCase):
 
     def test_soft_sync_survives_a_killed_worker(self):
         out = self.get_temp_dir()
-        with _cluster(out, 3, "--scenario=long", "--epochs=40", "--replicas_to_aggregate=2",
+        with make_cluster(out, 3, "--scenario=long", "--epochs=40",
+                      "--strategy_arg=replicas_to_aggregate=2",
                       stop_on_failure=False) as cluster:
-            _wait_for_line(cluster, "READY")
+            wait_for_line(cluster, "READY")
             os.kill(cluster.pid("worker:2"), signal.SIGKILL)
             result = cluster.wait()
-        self.assertEqual(result.failed_task, "worker:2", _log(cluster))
-        self.assertEqual(result.task_returncodes["worker:0"], 0, _log(cluster))
-        self.assertEqual(result.task_returncodes["worker:1"], 0, _log(cluster))
-        chief = _load(out, "worker0.json")
+        self.assertEqual(result.failed_task, "worker:2", cluster_log(cluster))
+        self.assertEqual(result.task_returncodes["worker:0"], 0, cluster_log(cluster))
+        self.assertEqual(result.task_returncodes["worker:1"], 0, cluster_log(cluster))
+        chief = load_result(out, "worker0.json")
         self.assertEqual(chief["dead"], [2])
         self.assertEqual(len(chief["history"]["loss"]), 40)
 
     def test_hard_sync_names_the_dead_worker(self):
         out = self.get_temp_dir()
-        with _cluster(out, 2, "--scenario=long", "--epochs=400", "--worker_timeout=30",
+        with make_cluster(out, 2, "--scenario=long", "--epochs=400", "--worker_timeout=30",
                       stop_on_failure=False) as cluster:
-            _wait_for_line(cluster, "READY")
+            wait_for_line(cluster, "READY")
             killed_at = time.monotonic()
             os.kill(cluster.pid("worker:1"), signal.SIGKILL)
             result = cluster.wait()
@@ -134,18 +111,19 @@ class CheckpointTest(tf.test.TestCase):
 
     def test_backup_and_restore_resumes_and_model_checkpoint_loads(self):
         out = self.get_temp_dir()
-        with _cluster(out, 2, "--scenario=checkpoint", "--epochs=4",
+        with make_cluster(out, 2, "--scenario=checkpoint", "--epochs=4",
                       "--crash_after_epoch=1") as cluster:
             crashed = cluster.wait()
-        self.assertEqual(crashed.failed_task, "worker:0", _log(cluster))
-        self.assertRegex(_log(cluster), r"the chief /job:worker/task:0 at localhost:\d+ is gone")
+        self.assertEqual(crashed.failed_task, "worker:0", cluster_log(cluster))
+        self.assertRegex(cluster_log(cluster),
+                         r"the chief /job:worker/task:0 at localhost:\d+ is gone")
         steps_per_epoch = ps_program.ROWS // 2 // ps_program.BATCH
         # A new cluster (new ps) resumes from the backups: epochs 3 and 4 only, and the
         # optimizer's step (the global step) goes on from where the backup left it.
-        with _cluster(out, 2, "--scenario=checkpoint", "--epochs=4") as cluster:
+        with make_cluster(out, 2, "--scenario=checkpoint", "--epochs=4") as cluster:
             resumed = cluster.wait()
-        self.assertEqual(resumed.returncode, 0, _log(cluster))
-        chief = _load(out, "worker0.json")
+        self.assertEqual(resumed.returncode, 0, cluster_log(cluster))
+        chief = load_result(out, "worker0.json")
         self.assertEqual(chief["history"]["global_step"],
                          [3 * steps_per_epoch, 4 * steps_per_epoch])
         self.assertEqual(chief["updates"], 2 * steps_per_epoch)

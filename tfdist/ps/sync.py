@@ -2,7 +2,8 @@
 
 Shared resources on ps task 0, opened by every worker by shared name:
 
-* `progress`: int64 `[global_step, dropped_gradients]`, written by the chief's updater only.
+* `progress`: int64 telemetry, written by the chief's updater only: global step, gradients
+  dropped, gradients aggregated, staleness sum and max, staleness histogram (`STAT_*`).
 * the gradient queue: one entry per push, `(step, worker_rank, flat_gradient)`; the step is
   the global step the worker read its weights at. Negative steps are control entries
   (a worker leaving, a worker found dead, an abort).
@@ -24,6 +25,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.cluster import is_listening
+from tfdist.ps.policies import HISTOGRAM_BUCKETS
+from tfdist.ps.policies import delay_compensated
 from tfdist.ps.variables import is_initialized
 from tfdist.ps.variables import open_shared_variable
 from tfdist.ps.variables import wait_until_initialized
@@ -34,6 +37,11 @@ log = logging.getLogger("tfdist")
 LEAVE, DEAD, ABORT, STOP = -1, -2, -3, -4
 # Tokens that stop a worker; a token -(DEAD_TOKEN_BASE + r) means worker rank r died.
 TOKEN_ABORTED, TOKEN_CHIEF_GONE, DEAD_TOKEN_BASE = -1, -2, 10
+
+# Layout of the `progress` vector.
+STAT_STEP, STAT_DROPPED, STAT_AGGREGATED, STAT_STALENESS_SUM, STAT_STALENESS_MAX = range(5)
+STAT_HISTOGRAM = 5
+NUM_STATS = STAT_HISTOGRAM + HISTOGRAM_BUCKETS
 
 _applier = threading.local()
 
@@ -52,7 +60,8 @@ class SyncResources:
         self.num_workers = connection.num_workers
         self.rank = connection.rank
         self.progress = open_shared_variable(
-            self.device, "sync/progress", [2], tf.int64, "progress", container=container)
+            self.device, "sync/progress", [NUM_STATS], tf.int64, "progress",
+            container=container)
         with tf.init_scope(), tf.device(self.device):
             self.gradient_queue = tf.raw_ops.FIFOQueueV2(
                 component_types=[tf.int64, tf.int32, tf.float32], shapes=[], capacity=-1,
@@ -86,7 +95,7 @@ class SyncResources:
         """The chief zeroes the progress counters; the others wait for it."""
         if self.connection.is_chief:
             with tf.init_scope():
-                self.progress.assign(tf.zeros([2], tf.int64))
+                self.progress.assign(tf.zeros([NUM_STATS], tf.int64))
         else:
             wait_until_initialized(self.progress, timeout,
                                    f"the chief {self.connection.training_tasks[0]}")
@@ -126,9 +135,21 @@ class SyncResources:
                                       components=[tf.constant(value, tf.int64)])
 
     def read_progress(self):
+        """The telemetry as a dict (global_step, dropped, aggregated, staleness figures)."""
         with tf.init_scope():
-            step, dropped = self.progress.numpy().tolist()
-        return step, dropped
+            return progress_dict(self.progress.numpy().tolist())
+
+
+def progress_dict(values):
+    aggregated = values[STAT_AGGREGATED]
+    return {
+        "global_step": values[STAT_STEP],
+        "dropped_gradients": values[STAT_DROPPED],
+        "aggregated_gradients": aggregated,
+        "staleness_mean": values[STAT_STALENESS_SUM] / aggregated if aggregated else 0.0,
+        "staleness_max": values[STAT_STALENESS_MAX],
+        "staleness_histogram": values[STAT_HISTOGRAM:],
+    }
 
 
 class GradientLayout:
@@ -166,33 +187,39 @@ class UpdaterStats:
 
 
 class Updater:
-    """The chief's updater: aggregates the first N fresh gradients of each step and applies them.
+    """The chief's updater: turns pushes into optimizer updates, as its policy says.
 
     Args:
       strategy: the strategy whose scope the optimizer's update runs in.
       resources: the `SyncResources`.
       optimizer: the user's Keras optimizer (built on the master variables).
       layout: the `GradientLayout` of the pushed gradients.
-      replicas_to_aggregate: N, gradients per update.
+      policy: a `SoftSyncPolicy` or `AsyncPolicy`.
       worker_timeout: seconds without any update before the run is stopped.
       liveness_interval: seconds without an update before worker liveness is probed.
     """
 
-    def __init__(self, strategy, resources, optimizer, layout, replicas_to_aggregate,
-                 worker_timeout, liveness_interval=1.0):
+    def __init__(self, strategy, resources, optimizer, layout, policy, worker_timeout,
+                 liveness_interval=1.0):
         self.strategy = strategy
         self.resources = resources
         self.optimizer = optimizer
         self.layout = layout
-        self.replicas_to_aggregate = replicas_to_aggregate
+        self.policy = policy
         self.worker_timeout = worker_timeout
         self.liveness_interval = liveness_interval
         self.num_workers = resources.num_workers
-        self.hard_sync = replicas_to_aggregate == self.num_workers
         self.stats = UpdaterStats()
         self._live = set(range(self.num_workers))
         self._last_progress = time.monotonic()
         self._stopping = threading.Event()
+        self._weights_read = None
+        if policy.delay_compensation is not None:
+            # DC-ASGD keeps, per worker, the weights it was last released with.
+            with tf.init_scope(), tf.device(resources.device):
+                self._weights_read = tf.Variable(
+                    tf.tile(self._flat_weights()[None], [self.num_workers, 1]),
+                    trainable=False, name="tfdist_weights_read")
         self._step = tf.function(self._step_fn)
         self._apply = tf.function(self._apply_fn)
         self._thread = threading.Thread(target=self._run, name="tfdist-updater", daemon=True)
@@ -213,41 +240,52 @@ class Updater:
 
     # In-graph parts ----------------------------------------------------------------------
 
-    def _collect(self, required, total, accepted, released, dropped):
-        """Takes gradient-queue entries until `required` fresh ones or a control entry."""
+    def _flat_weights(self):
+        return GradientLayout.flatten([v.read_value() for v in self.layout.variables])
+
+    def _collect(self, required, state):
+        """Takes gradient-queue entries until `required` usable ones or a control entry."""
         res = self.resources
-        step = res.progress[0]
+        step = res.progress[STAT_STEP]
 
-        def cond(total, accepted, released, dropped, event, rank):
-            return tf.logical_and(accepted < required, tf.equal(event, 0))
+        def cond(state, event, rank):
+            return tf.logical_and(state["accepted"] < required, tf.equal(event, 0))
 
-        def body(total, accepted, released, dropped, event, rank):
+        def body(state, event, rank):
             entry_step, entry_rank, gradient = tf.raw_ops.QueueDequeueV2(
                 handle=res.gradient_queue, component_types=[tf.int64, tf.int32, tf.float32])
             entry_step = tf.reshape(entry_step, [])
             entry_rank = tf.reshape(entry_rank, [])
             control = entry_step < 0
-            fresh = tf.logical_and(tf.logical_not(control), entry_step >= step)
-            stale = tf.logical_and(tf.logical_not(control), entry_step < step)
-            total = tf.cond(
-                fresh, lambda: total + tf.reshape(gradient, [self.layout.total_size]),
-                lambda: total)
-            # A fresh push is released after the update it joins; a stale one at once, with
+            usable = tf.logical_and(tf.logical_not(control),
+                                    self.policy.accepts(entry_step, step))
+            stale = tf.logical_and(tf.logical_not(control), tf.logical_not(usable))
+            staleness = tf.maximum(step - entry_step, 0)
+            new = dict(state)
+            new["total"] = tf.cond(
+                usable, lambda: state["total"] + tf.reshape(gradient, [self.layout.total_size]),
+                lambda: state["total"])
+            taken = tf.cast(usable, tf.int64)
+            new["accepted"] = state["accepted"] + tf.cast(usable, tf.int32)
+            new["dropped"] = state["dropped"] + tf.cast(stale, tf.int64)
+            new["staleness_sum"] = state["staleness_sum"] + taken * staleness
+            new["staleness_max"] = tf.maximum(state["staleness_max"], taken * staleness)
+            new["histogram"] = state["histogram"] + taken * tf.one_hot(
+                tf.minimum(staleness, HISTOGRAM_BUCKETS - 1), HISTOGRAM_BUCKETS, dtype=tf.int64)
+            new["last_rank"] = tf.where(usable, entry_rank, state["last_rank"])
+            # A usable push is released after the update it joins; a stale one at once, with
             # the current step, so that its worker computes its next gradient on new weights.
-            released = tf.logical_or(released, tf.logical_and(
-                fresh, tf.cast(tf.one_hot(entry_rank, self.num_workers, dtype=tf.int32),
-                               tf.bool)))
+            new["released"] = tf.logical_or(state["released"], tf.logical_and(
+                usable, tf.cast(tf.one_hot(entry_rank, self.num_workers, dtype=tf.int32),
+                                tf.bool)))
             release_stale = tf.cond(stale, lambda: self._release(entry_rank, step),
                                     lambda: tf.constant(True))
             with tf.control_dependencies([release_stale]):
-                total = tf.identity(total)
-            return (total, accepted + tf.cast(fresh, tf.int32), released,
-                    dropped + tf.cast(stale, tf.int64),
-                    tf.where(control, tf.cast(-entry_step, tf.int32), 0), entry_rank)
+                new["total"] = tf.identity(new["total"])
+            return new, tf.where(control, tf.cast(-entry_step, tf.int32), 0), entry_rank
 
-        return tf.while_loop(
-            cond, body, [total, accepted, released, dropped, tf.constant(0), tf.constant(-1)],
-            parallel_iterations=1)
+        return tf.while_loop(cond, body, [state, tf.constant(0), tf.constant(-1)],
+                             parallel_iterations=1)
 
     def _release(self, rank, step):
         """Puts token `step` on worker `rank`'s queue (in-graph, `rank` a tensor)."""
@@ -259,57 +297,75 @@ class Updater:
             return put
         return tf.switch_case(rank, [branch(r) for r in range(self.num_workers)])
 
-    def _apply_mean(self, total, accepted, released, dropped):
+    def _apply_state(self, state):
         """Applies the mean gradient with the user's optimizer, then releases the workers."""
         res = self.resources
-        gradients = self.layout.unflatten(total / tf.cast(accepted, tf.float32))
+        gradient = state["total"] / tf.cast(state["accepted"], tf.float32)
+        if self._weights_read is not None:
+            gradient = delay_compensated(
+                gradient, self._flat_weights(), self._weights_read[state["last_rank"]],
+                self.policy.delay_compensation)
         _applier.active = True
+        _applier.learning_rate_factor = self.policy.learning_rate_factor(
+            state["staleness_sum"] // tf.maximum(tf.cast(state["accepted"], tf.int64), 1))
         try:
-            self.optimizer.apply(gradients, self.layout.variables)
+            self.optimizer.apply(self.layout.unflatten(gradient), self.layout.variables)
         finally:
             _applier.active = False
+            _applier.learning_rate_factor = None
         # Releasing a worker lets it read the weights: only after every update has landed.
-        barrier = [v.read_value() for v in self.layout.variables]
-        with tf.control_dependencies(barrier):
+        weights = self._flat_weights()
+        with tf.control_dependencies([weights]):
             new_step = tf.cast(self.optimizer.iterations, tf.int64)
             old = res.progress.read_value()
-            record = res.progress.assign(tf.stack([new_step, old[1] + dropped]))
-        with tf.control_dependencies([record]):
+            record = res.progress.assign(tf.concat([
+                tf.stack([new_step, old[STAT_DROPPED] + state["dropped"],
+                          old[STAT_AGGREGATED] + tf.cast(state["accepted"], tf.int64),
+                          old[STAT_STALENESS_SUM] + state["staleness_sum"],
+                          tf.maximum(old[STAT_STALENESS_MAX], state["staleness_max"])]),
+                old[STAT_HISTOGRAM:] + state["histogram"]], axis=0))
+        updates = [record]
+        if self._weights_read is not None:
+            updates.append(self._weights_read.scatter_nd_update(
+                state["last_rank"][None, None], weights[None]))
+        with tf.control_dependencies(updates):
             for rank in range(self.num_workers):
-                tf.cond(released[rank],
+                tf.cond(state["released"][rank],
                         lambda rank=rank: tf.raw_ops.QueueEnqueueV2(
                             handle=res.token_queues[rank], components=[new_step]),
                         lambda: tf.no_op())
             return tf.identity(new_step)
 
-    def _step_fn(self, required, total, accepted, released, dropped):
+    def _step_fn(self, required, state):
         """One round trip per update: collect, and apply when `required` gradients came.
 
         Everything runs on ps task 0 (the variables on other ps tasks are updated where they
         live); only a small summary comes back to the chief.
         """
         with tf.device(self.resources.device):
-            total, accepted, released, dropped, event, rank = self._collect(
-                required, total, accepted, released, dropped)
-            complete = tf.logical_and(tf.equal(event, 0), accepted >= required)
-            tf.cond(complete, lambda: self._apply_mean(total, accepted, released, dropped),
-                    lambda: tf.constant(0, tf.int64))
+            state, event, rank = self._collect(required, state)
+            complete = tf.logical_and(tf.equal(event, 0), state["accepted"] >= required)
+            tf.cond(complete, lambda: self._apply_state(state), lambda: tf.constant(0, tf.int64))
         with tf.device(self.resources.connection.local_device):
             summary = tf.stack([tf.cast(complete, tf.int64), tf.cast(event, tf.int64),
-                                tf.cast(rank, tf.int64), tf.cast(accepted, tf.int64),
-                                dropped])
-        return (total, accepted, released, dropped), summary
+                                tf.cast(rank, tf.int64), tf.cast(state["accepted"], tf.int64),
+                                state["dropped"]])
+        return state, summary
 
-    def _apply_fn(self, total, accepted, released, dropped):
+    def _apply_fn(self, state):
         with tf.device(self.resources.device):
-            return self._apply_mean(total, accepted, released, dropped)
+            return self._apply_state(state)
 
     # Python loop ------------------------------------------------------------------------
 
     def _empty_state(self):
         with tf.device(self.resources.device):
-            return (tf.zeros([self.layout.total_size]), tf.constant(0),
-                    tf.zeros([self.num_workers], tf.bool), tf.constant(0, tf.int64))
+            zero = tf.constant(0, tf.int64)
+            return {"total": tf.zeros([self.layout.total_size]), "accepted": tf.constant(0),
+                    "released": tf.zeros([self.num_workers], tf.bool), "dropped": zero,
+                    "staleness_sum": zero, "staleness_max": zero,
+                    "histogram": tf.zeros([HISTOGRAM_BUCKETS], tf.int64),
+                    "last_rank": tf.constant(0)}
 
     def _run(self):
         try:
@@ -330,12 +386,12 @@ class Updater:
         empty = self._empty_state()
         state = empty
         while True:
-            required = min(self.replicas_to_aggregate, len(self._live))
+            required = self.policy.required(len(self._live))
             if required == 0:
                 log.info("tfdist: every worker left; the updater stops after %d updates",
                          self.stats.updates)
                 return
-            state, summary = self._step(tf.constant(required), *state)
+            state, summary = self._step(tf.constant(required), state)
             complete, event, rank, accepted, dropped = summary.numpy().tolist()
             if complete:
                 self._updated(accepted, dropped)
@@ -349,7 +405,7 @@ class Updater:
                     continue
                 self._live.discard(rank)
                 self.stats.dead.append(rank)
-                if self.hard_sync:
+                if self.policy.fails_on_dead_worker:
                     log.error("tfdist: %s died; stopping the run (hard sync)",
                               self.resources.connection.training_tasks[rank])
                     self._stop_workers(-(DEAD_TOKEN_BASE + rank))
@@ -363,8 +419,8 @@ class Updater:
             elif event == -STOP:
                 return
             # Fewer workers may now be enough for the gradients already taken.
-            if 0 < accepted >= min(self.replicas_to_aggregate, len(self._live)):
-                self._apply(*state)
+            if 0 < accepted >= self.policy.required(len(self._live)):
+                self._apply(state)
                 self._updated(accepted, dropped)
                 state = empty
 

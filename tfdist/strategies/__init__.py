@@ -3,6 +3,7 @@
 from tfdist.strategies import registry as _registry
 from tfdist.strategies.flags import define_flags
 from tfdist.strategies.flags import from_flags
+from tfdist.strategies.parameter_server import AsyncStrategy
 from tfdist.strategies.parameter_server import SoftSyncStrategy
 from tfdist.strategies.registry import get
 from tfdist.strategies.registry import names
@@ -10,8 +11,10 @@ from tfdist.strategies.registry import parse_strategy_args
 from tfdist.strategies.registry import register
 
 _registry.register("soft_sync", SoftSyncStrategy)
+_registry.register("async", AsyncStrategy)
 
 __all__ = [
+    "AsyncStrategy",
     "SoftSyncStrategy",
     "define_flags",
     "from_flags",

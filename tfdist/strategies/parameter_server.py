@@ -20,6 +20,8 @@ from tfdist import _tf_compat
 from tfdist.ps import sync
 from tfdist.ps.connection import PSConnection
 from tfdist.ps.connection import ps_device
+from tfdist.ps.policies import AsyncPolicy
+from tfdist.ps.policies import SoftSyncPolicy
 from tfdist.ps.variables import MasterVariable
 from tfdist.ps.variables import master_writes_suppressed
 from tfdist.ps.variables import open_shared_variable
@@ -35,7 +37,7 @@ class _StepTrace:
         self.pushed = False
         self.num_pushed = 0
         self.token = None
-        self.dropped = None
+        self.stats = None
         self.update_vars = []
         self.optimizer = None
         self.exit_stack = contextlib.ExitStack()
@@ -49,33 +51,26 @@ def _check_positive(name, value):
 class ParameterServerExtended(_tf_compat.OneDeviceExtended):
     """The engine of the parameter-server strategies (one replica per worker process)."""
 
-    def __init__(self, container_strategy, cluster=None, replicas_to_aggregate=None,
-                 worker_timeout=120.0, init_timeout=60.0, connect_timeout=30.0,
-                 inter_op_threads=1):
+    def __init__(self, container_strategy, make_policy, cluster=None, worker_timeout=120.0,
+                 init_timeout=60.0, connect_timeout=30.0, inter_op_threads=1):
         for name, value in (("worker_timeout", worker_timeout), ("init_timeout", init_timeout),
                             ("connect_timeout", connect_timeout)):
             _check_positive(name, value)
         config = PSConnection.validate(cluster)
-        total = config.num_workers
-        if replicas_to_aggregate is None:
-            replicas_to_aggregate = total
-        if (isinstance(replicas_to_aggregate, bool) or not isinstance(replicas_to_aggregate, int)
-                or not 1 <= replicas_to_aggregate <= total):
-            raise ValueError(
-                f"`replicas_to_aggregate` must be an integer between 1 and the number of "
-                f"workers total_replicas={total}. Received: {replicas_to_aggregate!r}")
+        policy = make_policy(config.num_workers)
         connection = PSConnection(config, connect_timeout=connect_timeout,
                                   inter_op_threads=inter_op_threads)
         super().__init__(container_strategy, connection.local_device)
         self._connection = connection
-        self._replicas_to_aggregate = replicas_to_aggregate
+        self._policy = policy
         self._worker_timeout = worker_timeout
         self._init_timeout = init_timeout
         self._chief_name = connection.training_tasks[0]
         self._resources = sync.SyncResources(connection)
         self._resources.initialize(init_timeout)
         with tf.init_scope(), tf.device(connection.local_device):
-            self._local_step = tf.Variable(self._resources.read_progress()[0], dtype=tf.int64,
+            self._local_step = tf.Variable(self._resources.read_progress()["global_step"],
+                                           dtype=tf.int64,
                                            trainable=False, name="tfdist_local_step")
         self._num_master_variables = 0
         self._tls = threading.local()
@@ -137,7 +132,13 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             if isinstance(result, dict):
                 result = dict(result)
                 result["global_step"] = trace.token
-                result["dropped_gradients"] = trace.dropped
+                result["dropped_gradients"] = trace.stats[sync.STAT_DROPPED]
+                if self._policy.measures_staleness:
+                    aggregated = tf.maximum(trace.stats[sync.STAT_AGGREGATED], 1)
+                    result["staleness_mean"] = (
+                        tf.cast(trace.stats[sync.STAT_STALENESS_SUM], tf.float32)
+                        / tf.cast(aggregated, tf.float32))
+                    result["staleness_max"] = trace.stats[sync.STAT_STALENESS_MAX]
         return result
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
@@ -149,7 +150,7 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         token = self._resources.push_and_wait(flat, self._local_step.read_value())
         set_step = self._local_step.assign(token, read_value=False)
         with tf.control_dependencies([token]):
-            trace.dropped = tf.identity(self._resources.progress[1])
+            trace.stats = self._resources.progress.read_value()
         trace.pushed, trace.token, trace.num_pushed = True, token, len(values)
         # From here on this trace's writes to master variables are the updater's job.
         trace.exit_stack.enter_context(master_writes_suppressed())
@@ -164,6 +165,11 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                 trace.update_vars.append(var)
                 trace.optimizer = trace.optimizer or _tf_compat.keras_optimizer_in_scope()
             return var if group else (var,)
+        factor = getattr(sync._applier, "learning_rate_factor", None)
+        if sync.in_updater() and factor is not None and len(args) == 2:
+            # A staleness-aware policy scales this update's learning rate.
+            gradient, learning_rate = args
+            args = (gradient, tf.cast(learning_rate, factor.dtype) * factor)
         with tf.device(var.device), _tf_compat.distribute_lib.UpdateContext(var.device):
             result = fn(var, *args, **kwargs)
         if group:
@@ -190,7 +196,7 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         if self._connection.is_chief and self._updater is None:
             self._updater = sync.Updater(
                 self._container_strategy(), self._resources, self._optimizer, self._layout,
-                self._replicas_to_aggregate, self._worker_timeout)
+                self._policy, self._worker_timeout)
             self._updater.start()
 
     # Lifecycle ---------------------------------------------------------------------------
@@ -281,7 +287,8 @@ class ParameterServerStrategyBase(tf.distribute.Strategy):
         self.extended.leave(timeout)
 
     def progress(self):
-        """`(global_step, dropped_gradients)` as the ps holds them now."""
+        """The telemetry the ps holds now: global_step, dropped_gradients,
+        aggregated_gradients, staleness_mean, staleness_max, staleness_histogram."""
         return self.extended._resources.read_progress()
 
     @property
@@ -327,11 +334,63 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
 
     def __init__(self, replicas_to_aggregate=None, cluster=None, worker_timeout=120.0,
                  init_timeout=60.0, connect_timeout=30.0, inter_op_threads=1):
+        def make_policy(total):
+            n = total if replicas_to_aggregate is None else replicas_to_aggregate
+            if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= total:
+                raise ValueError(
+                    f"`replicas_to_aggregate` must be an integer between 1 and the number of "
+                    f"workers total_replicas={total}. Received: {replicas_to_aggregate!r}")
+            return SoftSyncPolicy(n, total)
+
         super().__init__(ParameterServerExtended(
-            self, cluster=cluster, replicas_to_aggregate=replicas_to_aggregate,
-            worker_timeout=worker_timeout, init_timeout=init_timeout,
-            connect_timeout=connect_timeout, inter_op_threads=inter_op_threads))
+            self, make_policy, cluster=cluster, worker_timeout=worker_timeout,
+            init_timeout=init_timeout, connect_timeout=connect_timeout,
+            inter_op_threads=inter_op_threads))
 
     @property
     def replicas_to_aggregate(self):
-        return self.extended._replicas_to_aggregate
+        return self.extended._policy.replicas_to_aggregate
+
+
+class AsyncStrategy(ParameterServerStrategyBase):
+    """Asynchronous SGD through parameter servers, staleness-aware.
+
+    Every worker's gradient becomes an update as soon as the chief's updater takes it, with the
+    user's Keras optimizer on the ps. The staleness tau of an update (global steps applied
+    between the read of the weights it was computed on and its own application) is measured
+    for every update and reported (`staleness_mean`, `staleness_max` in the Keras logs; the
+    histogram in `strategy.progress()`).
+
+    ```python
+    strategy = tfdist.strategies.AsyncStrategy(staleness="inverse", max_staleness=8)
+    with strategy.scope():
+        model = build_model()
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    model.fit(*strategy.shard(x, y), epochs=5)
+    ```
+
+    Args:
+      staleness: how the learning rate of an update depends on its staleness: "none" (plain
+        async SGD), "inverse" (lr / max(1, tau), Zhang et al. 2016), or a callable taking the
+        int64 staleness tensor and returning a float factor (traced into the update).
+      max_staleness: None, or the largest staleness applied; older gradients are dropped,
+        counted, and their worker goes on from the current weights.
+      delay_compensation: None, or lambda of delay-compensated ASGD (Zheng et al. 2017):
+        g + lambda * g * g * (w_now - w_read), where w_read are the weights the worker was
+        last released with (kept per worker on ps task 0).
+      cluster, worker_timeout, init_timeout, connect_timeout, inter_op_threads: as for
+        `SoftSyncStrategy`.
+    """
+
+    def __init__(self, staleness="none", max_staleness=None, delay_compensation=None,
+                 cluster=None, worker_timeout=120.0, init_timeout=60.0, connect_timeout=30.0,
+                 inter_op_threads=1):
+        policy = AsyncPolicy(staleness, max_staleness, delay_compensation)
+        super().__init__(ParameterServerExtended(
+            self, lambda total: policy, cluster=cluster, worker_timeout=worker_timeout,
+            init_timeout=init_timeout, connect_timeout=connect_timeout,
+            inter_op_threads=inter_op_threads))
+
+    @property
+    def policy(self):
+        return self.extended._policy

@@ -1,0 +1,124 @@
+"""AsyncStrategy: staleness policies against numpy, measured staleness, bounded staleness."""
+
+import json
+import os
+
+import numpy as np
+import tensorflow as tf
+
+import tfdist
+from tests.strategies import ps_program
+from tests.strategies.ps_testing import cluster_log
+from tests.strategies.ps_testing import load_result
+from tests.strategies.ps_testing import make_cluster
+from tfdist.ps import policies
+
+
+class PolicyTest(tf.test.TestCase):
+
+    def test_inverse_staleness_matches_numpy(self):
+        tau = np.arange(0, 10)
+        self.assertAllClose(policies.inverse_staleness(tf.constant(tau, tf.int64)),
+                            1.0 / np.maximum(1, tau))
+
+    def test_delay_compensation_matches_numpy(self):
+        rng = np.random.RandomState(0)
+        g, w_now, w_read = (rng.randn(50).astype("float32") for _ in range(3))
+        want = g + 0.3 * g * g * (w_now - w_read)
+        self.assertAllClose(policies.delay_compensated(g, w_now, w_read, 0.3), want)
+        self.assertAllClose(policies.delay_compensated(g, w_now, w_now, 0.3), g)
+
+    def test_async_policy(self):
+        policy = policies.AsyncPolicy("inverse", max_staleness=2)
+        self.assertEqual(policy.required(4), 1)
+        self.assertEqual(policy.required(0), 0)
+        step = tf.constant(10, tf.int64)
+        self.assertEqual([bool(policy.accepts(tf.constant(s, tf.int64), step))
+                          for s in (7, 8, 10)], [False, True, True])
+        self.assertAllClose(policy.learning_rate_factor(tf.constant(4, tf.int64)), 0.25)
+        unbounded = policies.AsyncPolicy(lambda tau: tf.exp(-tf.cast(tau, tf.float32)))
+        self.assertTrue(bool(unbounded.accepts(tf.constant(0, tf.int64), step)))
+        self.assertAllClose(unbounded.learning_rate_factor(tf.constant(1, tf.int64)),
+                            np.exp(-1.0))
+
+    def test_soft_sync_policy(self):
+        policy = policies.SoftSyncPolicy(3, 4)
+        self.assertEqual(policy.required(2), 2)
+        self.assertFalse(policy.fails_on_dead_worker)
+        self.assertTrue(policies.SoftSyncPolicy(4, 4).fails_on_dead_worker)
+        self.assertIsNone(policy.learning_rate_factor(tf.constant(0, tf.int64)))
+
+    def test_bad_arguments(self):
+        with self.assertRaisesRegex(ValueError, r"`staleness` must be one of \['inverse', "
+                                                r"'none'\] or a callable. Received: 'sqrt'"):
+            policies.AsyncPolicy("sqrt")
+        with self.assertRaisesRegex(ValueError, "`max_staleness` must be None or an integer "
+                                                ">= 0. Received: -1"):
+            policies.AsyncPolicy(max_staleness=-1)
+        with self.assertRaisesRegex(ValueError, "`delay_compensation`"):
+            policies.AsyncPolicy(delay_compensation="big")
+
+    def test_registry_name(self):
+        self.assertIn("async", tfdist.strategies.names())
+
+
+class AsyncTrainingTest(tf.test.TestCase):
+
+    def test_one_worker_is_never_stale(self):
+        out = self.get_temp_dir()
+        with make_cluster(out, 1, "--strategy=async", "--epochs=2") as cluster:
+            result = cluster.wait()
+        self.assertEqual(result.returncode, 0, cluster_log(cluster))
+        chief = load_result(out, "worker0.json")
+        steps = 2 * ps_program.ROWS // ps_program.BATCH
+        self.assertEqual(chief["progress"]["staleness_histogram"][0], steps)
+        self.assertEqual(chief["progress"]["staleness_max"], 0)
+        self.assertEqual(chief["history"]["staleness_max"], [0, 0])
+
+    def test_forced_interleaving_gives_the_expected_staleness(self):
+        # The chief applies its steps alone; worker 1, which read step 0, then pushes: its
+        # first gradient is exactly `chief_steps` stale, the two after it are fresh.
+        out = self.get_temp_dir()
+        with make_cluster(out, 2, "--scenario=late", "--strategy=async",
+                      "--strategy_arg=staleness='inverse'") as cluster:
+            result = cluster.wait()
+        self.assertEqual(result.returncode, 0, cluster_log(cluster))
+        chief_steps = load_result(out, "chief_done")["step"]
+        progress = load_result(out, "worker0.json")["progress"]
+        histogram = [0] * 16
+        histogram[0], histogram[chief_steps] = chief_steps + 2, 1
+        self.assertEqual(progress["staleness_histogram"], histogram)
+        self.assertEqual(progress["staleness_max"], chief_steps)
+        self.assertEqual(progress["global_step"], chief_steps + 3)
+        self.assertEqual(progress["dropped_gradients"], 0)
+
+    def test_bounded_staleness_with_a_slow_worker(self):
+        out = self.get_temp_dir()
+        bound = 2
+        with make_cluster(out, 3, "--strategy=async", f"--strategy_arg=max_staleness={bound}",
+                      "--epochs=4", "--slow_rank=2", "--slow_delay=0.1") as cluster:
+            result = cluster.wait()
+        self.assertEqual(result.returncode, 0, cluster_log(cluster))
+        progress = load_result(out, "worker0.json")["progress"]
+        self.assertLessEqual(progress["staleness_max"], bound)
+        self.assertEqual(sum(progress["staleness_histogram"][bound + 1:]), 0)
+        self.assertGreater(progress["dropped_gradients"], 0)
+        self.assertEqual(progress["aggregated_gradients"] + progress["dropped_gradients"],
+                         sum(load_result(out, f"worker{r}.json")["pushes"] for r in range(3)))
+
+    def test_learning_rate_factor_reaches_the_optimizer(self):
+        out = self.get_temp_dir()
+        with make_cluster(out, 1, "--strategy=async", "--frozen", "--epochs=1") as cluster:
+            result = cluster.wait()
+        self.assertEqual(result.returncode, 0, cluster_log(cluster))
+        initial = load_result(out, "initial.json")["weights"]
+        final = load_result(out, "worker0.json")["weights"]
+        for a, b in zip(initial, final):
+            self.assertAllEqual(np.array(a), np.array(b))
+        self.assertGreater(load_result(out, "worker0.json")["updates"], 0)
+
+
+del json, os
+
+if __name__ == "__main__":
+    tf.test.main()

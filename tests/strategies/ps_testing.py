@@ -1,0 +1,37 @@
+"""Helpers of the parameter-server tests: run `ps_program.py` on a local cluster."""
+
+import json
+import os
+import sys
+import time
+
+from tfdist.launch import LocalCluster
+
+PROGRAM = os.path.join(os.path.dirname(__file__), "ps_program.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+RUN_TIMEOUT = 180
+
+
+def make_cluster(out_dir, num_workers, *flags, **kwargs):
+    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return LocalCluster([sys.executable, PROGRAM, f"--out_dir={out_dir}", *flags],
+                        num_ps=kwargs.pop("num_ps", 1), num_workers=num_workers,
+                        timeout=RUN_TIMEOUT, output=None, env=env, **kwargs)
+
+
+def load_result(out_dir, name):
+    with open(os.path.join(out_dir, name)) as f:
+        return json.load(f)
+
+
+def cluster_log(cluster):
+    return "\n".join(f"[{task}] {line}" for task, line in cluster.lines[-150:])
+
+
+def wait_for_line(cluster, text, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(text in line for _, line in list(cluster.lines)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"no line with {text!r} within {timeout} s:\n{cluster_log(cluster)}")

@@ -1,0 +1,109 @@
+"""How the updater turns pushes into updates: soft sync (N of M) or asynchronous.
+
+A policy answers three questions for the chief's updater, in-graph:
+
+* how many gradients make an update (`required`),
+* whether a push computed at `entry_step` is still usable at global step `step` (`accepts`),
+* how the learning rate and the gradient of an update depend on its staleness.
+
+Staleness tau of an update is the number of global steps applied between the read of the
+weights its gradient was computed on and its own application.
+"""
+
+import tensorflow as tf
+
+HISTOGRAM_BUCKETS = 16  # staleness 0 .. 14, and 15 or more
+
+
+def inverse_staleness(staleness):
+    """1 / max(1, tau) (Zhang et al. 2016, "Staleness-aware async-SGD")."""
+    staleness = tf.cast(staleness, tf.float32)
+    return 1.0 / tf.maximum(1.0, staleness)
+
+
+def no_staleness_scaling(staleness):
+    del staleness
+    return tf.constant(1.0)
+
+
+STALENESS_FUNCTIONS = {"none": no_staleness_scaling, "inverse": inverse_staleness}
+
+
+def delay_compensated(gradient, weights_now, weights_read, compensation):
+    """DC-ASGD (Zheng et al. 2017): g + lambda * g * g * (w_now - w_read), elementwise."""
+    return gradient + compensation * gradient * gradient * (weights_now - weights_read)
+
+
+class SoftSyncPolicy:
+    """The first `replicas_to_aggregate` fresh gradients of a step; older ones are dropped."""
+
+    measures_staleness = False
+    delay_compensation = None
+
+    def __init__(self, replicas_to_aggregate, num_workers):
+        self.replicas_to_aggregate = replicas_to_aggregate
+        self.num_workers = num_workers
+
+    @property
+    def fails_on_dead_worker(self):
+        return self.replicas_to_aggregate == self.num_workers
+
+    def required(self, live_workers):
+        return min(self.replicas_to_aggregate, live_workers)
+
+    def accepts(self, entry_step, step):
+        return entry_step >= step
+
+    def learning_rate_factor(self, staleness):
+        del staleness
+        return None
+
+
+class AsyncPolicy:
+    """Every push is an update; its learning rate is scaled by a function of its staleness.
+
+    Args:
+      staleness: "none", "inverse", or a callable mapping the staleness (an int64 tensor) to
+        a float32 learning-rate factor, traced into the update.
+      max_staleness: None, or the largest staleness applied; older gradients are dropped.
+      delay_compensation: None, or lambda of DC-ASGD.
+    """
+
+    measures_staleness = True
+    fails_on_dead_worker = False
+
+    def __init__(self, staleness="none", max_staleness=None, delay_compensation=None):
+        if isinstance(staleness, str):
+            if staleness not in STALENESS_FUNCTIONS:
+                raise ValueError(
+                    f"`staleness` must be one of {sorted(STALENESS_FUNCTIONS)} or a callable. "
+                    f"Received: {staleness!r}")
+            self.staleness_name, self.staleness_fn = staleness, STALENESS_FUNCTIONS[staleness]
+        elif callable(staleness):
+            self.staleness_name = getattr(staleness, "__name__", "custom")
+            self.staleness_fn = staleness
+        else:
+            raise ValueError(f"`staleness` must be one of {sorted(STALENESS_FUNCTIONS)} or a "
+                             f"callable. Received: {staleness!r}")
+        if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(
+                max_staleness, int) or max_staleness < 0):
+            raise ValueError(f"`max_staleness` must be None or an integer >= 0. Received: "
+                             f"{max_staleness!r}")
+        if delay_compensation is not None and (
+                isinstance(delay_compensation, bool)
+                or not isinstance(delay_compensation, (int, float)) or delay_compensation < 0):
+            raise ValueError(f"`delay_compensation` (lambda of DC-ASGD) must be None or a "
+                             f"number >= 0. Received: {delay_compensation!r}")
+        self.max_staleness = max_staleness
+        self.delay_compensation = delay_compensation
+
+    def required(self, live_workers):
+        return min(1, live_workers)
+
+    def accepts(self, entry_step, step):
+        if self.max_staleness is None:
+            return tf.constant(True)
+        return step - entry_step <= self.max_staleness
+
+    def learning_rate_factor(self, staleness):
+        return tf.cast(self.staleness_fn(staleness), tf.float32)
