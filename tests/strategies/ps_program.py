@@ -131,7 +131,8 @@ def main(argv):
     strategy.join()
     result = {"history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
               "progress": strategy.progress(),
-              "pushes": int(sum(len(range(0, len(xs), BATCH)) for _ in history.epoch))}
+              "pushes": int(sum(len(range(0, len(xs), BATCH)) for _ in history.epoch)),
+              "local_weights": [w.tolist() for w in model.get_weights()]}
     if strategy.is_chief:
         stats = strategy.updater_stats
         result.update(updates=stats.updates, dropped=stats.dropped,

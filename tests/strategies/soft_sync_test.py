@@ -26,17 +26,21 @@ from tfdist.cluster import pick_free_ports
 
 class HardSyncEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
 
-    @parameterized.parameters("sgd", "adam")
-    def test_two_workers_match_one_process_on_the_combined_batch(self, optimizer):
+    @parameterized.parameters(("soft_sync", "sgd"), ("soft_sync", "adam"),
+                              ("model_averaging", "sgd"))
+    def test_two_workers_match_one_process_on_the_combined_batch(self, strategy, optimizer):
+        # Model averaging every step with plain SGD is hard sync too.
         out = self.get_temp_dir()
         with make_cluster(out, 2, "--scenario=equivalence", "--epochs=3",
-                          f"--optimizer={optimizer}", num_ps=2) as cluster:
+                          f"--strategy={strategy}", f"--optimizer={optimizer}",
+                          num_ps=2) as cluster:
             result = cluster.wait()
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         chief = load_result(out, "worker0.json")
         self.assertEqual(chief["updates"], 3 * (ps_program.ROWS // 2 // ps_program.BATCH))
         self.assertEqual(chief["dropped"], 0)
-        self.assertEqual(chief["history"]["global_step"][-1], chief["updates"])
+        round_key = "averaging_round" if strategy == "model_averaging" else "global_step"
+        self.assertEqual(chief["history"][round_key][-1], chief["updates"])
 
         # One process, same optimizer, on batches made of worker 0's and worker 1's batch j.
         x, y = ps_program.data()

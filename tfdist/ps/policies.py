@@ -39,6 +39,7 @@ class SoftSyncPolicy:
 
     measures_staleness = False
     delay_compensation = None
+    averages_weights = False
 
     def __init__(self, replicas_to_aggregate, num_workers):
         self.replicas_to_aggregate = replicas_to_aggregate
@@ -71,6 +72,7 @@ class AsyncPolicy:
 
     measures_staleness = True
     fails_on_dead_worker = False
+    averages_weights = False
 
     def __init__(self, staleness="none", max_staleness=None, delay_compensation=None):
         if isinstance(staleness, str):
@@ -107,3 +109,13 @@ class AsyncPolicy:
 
     def learning_rate_factor(self, staleness):
         return tf.cast(self.staleness_fn(staleness), tf.float32)
+
+
+class AveragingPolicy(SoftSyncPolicy):
+    """Periodic model averaging: the pushes are models, the update is their mean.
+
+    Each round averages the first `replicas_to_aggregate` models pushed for it; a model pushed
+    for an older round is dropped and its worker takes the new average.
+    """
+
+    averages_weights = True

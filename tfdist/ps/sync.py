@@ -298,9 +298,16 @@ class Updater:
         return tf.switch_case(rank, [branch(r) for r in range(self.num_workers)])
 
     def _apply_state(self, state):
-        """Applies the mean gradient with the user's optimizer, then releases the workers."""
+        """Applies the mean gradient with the user's optimizer, then releases the workers.
+
+        For model averaging the mean is the new model, and the step counts rounds.
+        """
         res = self.resources
         gradient = state["total"] / tf.cast(state["accepted"], tf.float32)
+        if self.policy.averages_weights:
+            for variable, value in zip(self.layout.variables, self.layout.unflatten(gradient)):
+                variable.assign(value)
+            return self._record_and_release(state, res.progress[STAT_STEP] + 1)
         if self._weights_read is not None:
             gradient = delay_compensated(
                 gradient, self._flat_weights(), self._weights_read[state["last_rank"]],
@@ -313,10 +320,16 @@ class Updater:
         finally:
             _applier.active = False
             _applier.learning_rate_factor = None
+        return self._record_and_release(
+            state, lambda: tf.cast(self.optimizer.iterations, tf.int64))
+
+    def _record_and_release(self, state, new_step):
+        """Records the update's telemetry and releases the workers whose pushes it used."""
+        res = self.resources
         # Releasing a worker lets it read the weights: only after every update has landed.
         weights = self._flat_weights()
         with tf.control_dependencies([weights]):
-            new_step = tf.cast(self.optimizer.iterations, tf.int64)
+            new_step = new_step() if callable(new_step) else tf.identity(new_step)
             old = res.progress.read_value()
             record = res.progress.assign(tf.concat([
                 tf.stack([new_step, old[STAT_DROPPED] + state["dropped"],

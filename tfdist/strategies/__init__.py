@@ -4,6 +4,7 @@ from tfdist.strategies import registry as _registry
 from tfdist.strategies.flags import define_flags
 from tfdist.strategies.flags import from_flags
 from tfdist.strategies.parameter_server import AsyncStrategy
+from tfdist.strategies.parameter_server import ModelAveragingStrategy
 from tfdist.strategies.parameter_server import SoftSyncStrategy
 from tfdist.strategies.registry import get
 from tfdist.strategies.registry import names
@@ -12,9 +13,11 @@ from tfdist.strategies.registry import register
 
 _registry.register("soft_sync", SoftSyncStrategy)
 _registry.register("async", AsyncStrategy)
+_registry.register("model_averaging", ModelAveragingStrategy)
 
 __all__ = [
     "AsyncStrategy",
+    "ModelAveragingStrategy",
     "SoftSyncStrategy",
     "define_flags",
     "from_flags",
