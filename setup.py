@@ -21,9 +21,9 @@ setup(
         # TensorFlow is an extra so that users pick the wheel that fits their machine.
         "cpu": ["tensorflow-cpu==2.21.0"],
         "gpu": ["tensorflow==2.21.0"],
-        "examples": ["scikit-learn>=1.3", "matplotlib>=3.7"],
+        "examples": ["scikit-learn>=1.3", "matplotlib>=3.7", "tensorboard>=2.20"],
         "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.6", "scikit-learn>=1.3",
-                 "matplotlib>=3.7"],
+                 "matplotlib>=3.7", "tensorboard>=2.20"],
     },
     entry_points={"console_scripts": ["tfdist-launch=tfdist.launch.main:run"]},
 )

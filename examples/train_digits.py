@@ -37,6 +37,9 @@ flags.DEFINE_bool("scale_learning_rate", True,
 flags.DEFINE_enum("optimizer", "sgd", ["sgd", "momentum", "adam"], "Keras optimizer.")
 flags.DEFINE_integer("seed", 0, "Seed of the weights and the train/test split.")
 flags.DEFINE_string("output_json", None, "Where the chief writes accuracy and timings.")
+flags.DEFINE_bool("eval_every_epoch", False,
+                  "The chief records test accuracy and elapsed time after every epoch "
+                  "(written to --output_json as `curve`).")
 flags.DEFINE_integer("verbose", 2, "Keras fit verbosity (0, 1 = progress bar, 2 = a line "
                      "per epoch).")
 
@@ -59,6 +62,23 @@ def build_model(seed):
         keras.layers.Dense(64, activation="relu"),
         keras.layers.Dense(10, activation="softmax"),
     ])
+
+
+class TestCurve(keras.callbacks.Callback):
+    """Test accuracy and elapsed seconds after every epoch."""
+
+    def __init__(self, x_test, y_test):
+        super().__init__()
+        self.x_test, self.y_test, self.points = x_test, y_test, []
+
+    def on_train_begin(self, logs=None):
+        self.start = time.time()
+
+    def on_epoch_end(self, epoch, logs=None):
+        elapsed = time.time() - self.start
+        _, accuracy = self.model.evaluate(self.x_test, self.y_test, batch_size=256, verbose=0)
+        self.points.append({"epoch": epoch + 1, "seconds": elapsed,
+                            "test_accuracy": float(accuracy)})
 
 
 def make_optimizer(name, learning_rate):
@@ -84,21 +104,24 @@ def main(argv):
     # tfdist's parameter-server strategies give each worker its own share of the data.
     x_fit, y_fit = (strategy.shard(x_train, y_train) if hasattr(strategy, "shard")
                     else (x_train, y_train))
+    config = os.environ.get("TF_CONFIG")
+    is_chief = not config or tfdist.cluster.parse_tf_config(config).is_chief
+    curve = TestCurve(x_test, y_test)
+    callbacks = [curve] if FLAGS.eval_every_epoch and is_chief else []
     start = time.time()
     history = model.fit(x_fit, y_fit, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs,
-                        shuffle=False, verbose=FLAGS.verbose)
+                        shuffle=False, verbose=FLAGS.verbose, callbacks=callbacks)
     if hasattr(strategy, "join"):
         strategy.join()  # the chief waits for every worker: the weights are final after it
     train_seconds = time.time() - start
     loss, accuracy = model.evaluate(x_test, y_test, batch_size=256, verbose=0)
-    config = os.environ.get("TF_CONFIG")
-    is_chief = not config or tfdist.cluster.parse_tf_config(config).is_chief
     if is_chief:
         print(f"test accuracy {accuracy:.4f}, test loss {loss:.4f}, "
               f"trained in {train_seconds:.1f} s with {FLAGS.strategy}")
         if FLAGS.output_json:
             figures = {"strategy": FLAGS.strategy, "test_accuracy": float(accuracy),
                        "test_loss": float(loss), "train_seconds": train_seconds,
+                       "curve": curve.points,
                        "history": {k: [float(v) for v in vs]
                                    for k, vs in history.history.items()}}
             with open(FLAGS.output_json, "w") as f:

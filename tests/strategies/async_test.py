@@ -57,6 +57,10 @@ class PolicyTest(tf.test.TestCase):
             policies.AsyncPolicy(max_staleness=-1)
         with self.assertRaisesRegex(ValueError, "`delay_compensation`"):
             policies.AsyncPolicy(delay_compensation="big")
+        with self.assertRaisesRegex(ValueError, r"`on_stale` must be one of \['drop', 'wait'\]"):
+            policies.AsyncPolicy(on_stale="block")
+        with self.assertRaisesRegex(ValueError, "needs `max_staleness`. Received: None"):
+            policies.AsyncPolicy(on_stale="wait")
 
     def test_registry_name(self):
         self.assertIn("async", tfdist.strategies.names())
@@ -105,6 +109,20 @@ class AsyncTrainingTest(tf.test.TestCase):
         self.assertGreater(progress["dropped_gradients"], 0)
         self.assertEqual(progress["aggregated_gradients"] + progress["dropped_gradients"],
                          sum(load_result(out, f"worker{r}.json")["pushes"] for r in range(3)))
+
+    def test_wait_mode_keeps_workers_within_the_bound_of_the_slowest(self):
+        out = self.get_temp_dir()
+        bound = 1
+        with make_cluster(out, 3, "--strategy=async", f"--strategy_arg=max_staleness={bound}",
+                          "--strategy_arg=on_stale='wait'", "--epochs=3", "--slow_rank=2",
+                          "--slow_delay=0.1") as cluster:
+            result = cluster.wait()
+        self.assertEqual(result.returncode, 0, cluster_log(cluster))
+        chief = load_result(out, "worker0.json")
+        self.assertLessEqual(chief["max_clock_gap"], bound)
+        self.assertEqual(chief["dropped"], 0)
+        pushes = sum(load_result(out, f"worker{r}.json")["pushes"] for r in range(3))
+        self.assertEqual(chief["aggregated"], pushes)
 
     def test_learning_rate_factor_reaches_the_optimizer(self):
         out = self.get_temp_dir()

@@ -28,6 +28,9 @@ class ModelAveragingTest(tf.test.TestCase):
         self.assertEqual(chief["updates"], steps // 4)
         self.assertEqual(chief["aggregated"], 2 * steps // 4)
         self.assertEqual(chief["history"]["averaging_round"], [1, 2, 3, 4])
+        # evaluate() is not a training step: no extra logs, no averaging round.
+        self.assertLen(chief["evaluation"], 2)
+        self.assertEqual(chief["progress"]["global_step"], steps // 4)
         for a, b in zip(chief["local_weights"], other["local_weights"]):
             self.assertAllClose(np.array(a), np.array(b), rtol=0, atol=0)
 

@@ -129,13 +129,16 @@ def main(argv):
         history = model.fit(xs, ys, batch_size=BATCH, epochs=FLAGS.epochs, shuffle=False,
                             verbose=0, callbacks=callbacks)
     strategy.join()
-    result = {"history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
+    evaluation = model.evaluate(x, y, batch_size=64, verbose=0)
+    result = {"evaluation": evaluation,
+              "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
               "progress": strategy.progress(),
               "pushes": int(sum(len(range(0, len(xs), BATCH)) for _ in history.epoch)),
               "local_weights": [w.tolist() for w in model.get_weights()]}
     if strategy.is_chief:
         stats = strategy.updater_stats
         result.update(updates=stats.updates, dropped=stats.dropped,
+                      max_clock_gap=stats.max_clock_gap,
                       aggregated=stats.aggregated, left=stats.left,
                       dead=stats.dead, weights=[w.tolist() for w in model.get_weights()])
     save(f"worker{rank}.json", **result)

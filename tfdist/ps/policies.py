@@ -40,6 +40,7 @@ class SoftSyncPolicy:
     measures_staleness = False
     delay_compensation = None
     averages_weights = False
+    defers_release = False
 
     def __init__(self, replicas_to_aggregate, num_workers):
         self.replicas_to_aggregate = replicas_to_aggregate
@@ -66,15 +67,19 @@ class AsyncPolicy:
     Args:
       staleness: "none", "inverse", or a callable mapping the staleness (an int64 tensor) to
         a float32 learning-rate factor, traced into the update.
-      max_staleness: None, or the largest staleness applied; older gradients are dropped.
+      max_staleness: None, or the bound s on staleness.
       delay_compensation: None, or lambda of DC-ASGD.
+      on_stale: what `max_staleness` bounds. "drop": gradients staler than s are dropped.
+        "wait" (stale synchronous parallel): a worker that has pushed more than s times
+        more than the slowest live worker waits for it; nothing is dropped.
     """
 
     measures_staleness = True
     fails_on_dead_worker = False
     averages_weights = False
 
-    def __init__(self, staleness="none", max_staleness=None, delay_compensation=None):
+    def __init__(self, staleness="none", max_staleness=None, delay_compensation=None,
+                 on_stale="drop"):
         if isinstance(staleness, str):
             if staleness not in STALENESS_FUNCTIONS:
                 raise ValueError(
@@ -96,14 +101,22 @@ class AsyncPolicy:
                 or not isinstance(delay_compensation, (int, float)) or delay_compensation < 0):
             raise ValueError(f"`delay_compensation` (lambda of DC-ASGD) must be None or a "
                              f"number >= 0. Received: {delay_compensation!r}")
+        if on_stale not in ("drop", "wait"):
+            raise ValueError(f"`on_stale` must be one of ['drop', 'wait']. Received: "
+                             f"{on_stale!r}")
+        if on_stale == "wait" and max_staleness is None:
+            raise ValueError("`on_stale='wait'` bounds how far a worker may run ahead of the "
+                             "slowest one and needs `max_staleness`. Received: None")
         self.max_staleness = max_staleness
         self.delay_compensation = delay_compensation
+        self.on_stale = on_stale
+        self.defers_release = on_stale == "wait"
 
     def required(self, live_workers):
         return min(1, live_workers)
 
     def accepts(self, entry_step, step):
-        if self.max_staleness is None:
+        if self.max_staleness is None or self.on_stale == "wait":
             return tf.constant(True)
         return step - entry_step <= self.max_staleness
 

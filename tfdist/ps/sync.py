@@ -181,6 +181,7 @@ class UpdaterStats:
         self.updates = 0
         self.aggregated = 0
         self.dropped = 0
+        self.max_clock_gap = 0
         self.left = []
         self.dead = []
         self.error = None
@@ -213,6 +214,9 @@ class Updater:
         self._live = set(range(self.num_workers))
         self._last_progress = time.monotonic()
         self._stopping = threading.Event()
+        self._clocks = [0] * self.num_workers
+        self._waiting = set()
+        self._step_now = 0
         self._weights_read = None
         if policy.delay_compensation is not None:
             # DC-ASGD keeps, per worker, the weights it was last released with.
@@ -341,6 +345,10 @@ class Updater:
         if self._weights_read is not None:
             updates.append(self._weights_read.scatter_nd_update(
                 state["last_rank"][None, None], weights[None]))
+        if self.policy.defers_release:
+            # The Python loop releases workers once the slowest has caught up.
+            with tf.control_dependencies(updates):
+                return tf.identity(new_step)
         with tf.control_dependencies(updates):
             for rank in range(self.num_workers):
                 tf.cond(state["released"][rank],
@@ -358,11 +366,12 @@ class Updater:
         with tf.device(self.resources.device):
             state, event, rank = self._collect(required, state)
             complete = tf.logical_and(tf.equal(event, 0), state["accepted"] >= required)
-            tf.cond(complete, lambda: self._apply_state(state), lambda: tf.constant(0, tf.int64))
+            new_step = tf.cond(complete, lambda: self._apply_state(state),
+                               lambda: tf.constant(0, tf.int64))
         with tf.device(self.resources.connection.local_device):
             summary = tf.stack([tf.cast(complete, tf.int64), tf.cast(event, tf.int64),
                                 tf.cast(rank, tf.int64), tf.cast(state["accepted"], tf.int64),
-                                state["dropped"]])
+                                state["dropped"], new_step])
         return state, summary
 
     def _apply_fn(self, state):
@@ -405,10 +414,15 @@ class Updater:
                          self.stats.updates)
                 return
             state, summary = self._step(tf.constant(required), state)
-            complete, event, rank, accepted, dropped = summary.numpy().tolist()
+            complete, event, rank, accepted, dropped, new_step = summary.numpy().tolist()
             if complete:
                 self._updated(accepted, dropped)
                 state = empty
+                if self.policy.defers_release:
+                    self._clocks[rank] += 1
+                    self._waiting.add(rank)
+                    self._step_now = new_step
+                    self._release_caught_up()
                 continue
             if event == -LEAVE:
                 self._live.discard(rank)
@@ -431,11 +445,26 @@ class Updater:
                 return
             elif event == -STOP:
                 return
+            if self.policy.defers_release:
+                self._waiting -= set(self.stats.left) | set(self.stats.dead)
+                self._release_caught_up()
             # Fewer workers may now be enough for the gradients already taken.
             if 0 < accepted >= self.policy.required(len(self._live)):
                 self._apply(state)
                 self._updated(accepted, dropped)
                 state = empty
+
+    def _release_caught_up(self):
+        """Stale synchronous parallel: release waiting workers at most s pushes ahead."""
+        if not self._live:
+            return
+        slowest = min(self._clocks[r] for r in self._live)
+        for rank in sorted(self._waiting):
+            gap = self._clocks[rank] - slowest
+            if gap <= self.policy.max_staleness:
+                self.stats.max_clock_gap = max(self.stats.max_clock_gap, gap)
+                self._waiting.discard(rank)
+                self.resources.send_token(rank, self._step_now)
 
     def _stop_workers(self, token):
         self._stopping.set()

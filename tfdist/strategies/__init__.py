@@ -10,6 +10,7 @@ from tfdist.strategies.registry import get
 from tfdist.strategies.registry import names
 from tfdist.strategies.registry import parse_strategy_args
 from tfdist.strategies.registry import register
+from tfdist.strategies.telemetry import TelemetryCallback
 
 _registry.register("soft_sync", SoftSyncStrategy)
 _registry.register("async", AsyncStrategy)
@@ -19,6 +20,7 @@ __all__ = [
     "AsyncStrategy",
     "ModelAveragingStrategy",
     "SoftSyncStrategy",
+    "TelemetryCallback",
     "define_flags",
     "from_flags",
     "get",

@@ -374,19 +374,22 @@ class AsyncStrategy(ParameterServerStrategyBase):
       staleness: how the learning rate of an update depends on its staleness: "none" (plain
         async SGD), "inverse" (lr / max(1, tau), Zhang et al. 2016), or a callable taking the
         int64 staleness tensor and returning a float factor (traced into the update).
-      max_staleness: None, or the largest staleness applied; older gradients are dropped,
-        counted, and their worker goes on from the current weights.
+      max_staleness: None, or a bound s. With `on_stale="drop"` a gradient staler than s
+        is dropped, counted, and its worker goes on from the current weights; with
+        `on_stale="wait"` (stale synchronous parallel) a worker more than s pushes ahead of
+        the slowest live worker waits for it.
       delay_compensation: None, or lambda of delay-compensated ASGD (Zheng et al. 2017):
         g + lambda * g * g * (w_now - w_read), where w_read are the weights the worker was
         last released with (kept per worker on ps task 0).
+      on_stale: "drop" or "wait", see `max_staleness`.
       cluster, worker_timeout, init_timeout, connect_timeout, inter_op_threads: as for
         `SoftSyncStrategy`.
     """
 
     def __init__(self, staleness="none", max_staleness=None, delay_compensation=None,
-                 cluster=None, worker_timeout=120.0, init_timeout=60.0, connect_timeout=30.0,
-                 inter_op_threads=1):
-        policy = AsyncPolicy(staleness, max_staleness, delay_compensation)
+                 on_stale="drop", cluster=None, worker_timeout=120.0, init_timeout=60.0,
+                 connect_timeout=30.0, inter_op_threads=1):
+        policy = AsyncPolicy(staleness, max_staleness, delay_compensation, on_stale)
         super().__init__(ParameterServerExtended(
             self, lambda total: policy, cluster=cluster, worker_timeout=worker_timeout,
             init_timeout=init_timeout, connect_timeout=connect_timeout,
@@ -441,11 +444,20 @@ class ModelAveragingExtended(ParameterServerExtended):
             self, reduce_op, value_destination_pairs, options)
 
     def _update(self, var, fn, args, kwargs, group):
+        trace = getattr(self._tls, "trace", None)
+        if trace is not None and len(args) == 2:
+            trace.pushed = True  # an optimizer step: this trace is a training step
         return _tf_compat.OneDeviceExtended._update(self, var, fn, args, kwargs, group)
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        result = _tf_compat.OneDeviceExtended._call_for_each_replica(self, fn, args, kwargs)
-        if not self._pairs or not tf.inside_function():
+        trace = _StepTrace()
+        self._tls.trace = trace
+        try:
+            result = _tf_compat.OneDeviceExtended._call_for_each_replica(
+                self, fn, args, kwargs)
+        finally:
+            self._tls.trace = None
+        if not trace.pushed or not self._pairs:
             return result
         count = self._local_iterations.assign_add(1)
         round_index = tf.cond(tf.equal(count % self._period, 0), self._average,
