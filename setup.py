@@ -23,7 +23,7 @@ setup(
         "gpu": ["tensorflow==2.21.0"],
         "examples": ["scikit-learn>=1.3", "matplotlib>=3.7", "tensorboard>=2.20"],
         "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.6", "scikit-learn>=1.3",
-                 "matplotlib>=3.7", "tensorboard>=2.20"],
+                 "matplotlib>=3.7", "tensorboard>=2.20", "kubernetes-validate>=1.30"],
     },
     entry_points={"console_scripts": ["tfdist-launch=tfdist.launch.main:run"]},
 )

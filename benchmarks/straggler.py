@@ -1,4 +1,4 @@
-"""Update rate under a straggler: hard sync, soft sync (N of M) and TF's MultiWorkerMirrored.
+"""Update rate under a straggler: hard sync, soft sync (N of M), async, TF's MultiWorkerMirrored.
 
     python benchmarks/straggler.py --num_workers=4 --out=benchmarks/results/straggler
 
@@ -77,6 +77,7 @@ def main(argv):
         f"hard sync ({m} of {m})": (["--strategy=soft_sync"], 1),
         f"soft sync ({m - 1} of {m})": (["--strategy=soft_sync",
                                          f"--strategy_arg=replicas_to_aggregate={m - 1}"], 1),
+        "async (inverse)": (["--strategy=async", "--strategy_arg=staleness='inverse'"], 1),
         # Keras 3.15 fit fails under it out of the box (keras-team/keras#20585): the run
         # records the error it meets.
         "TF MultiWorkerMirroredStrategy": (["--strategy=multi_worker_mirrored"], 0),

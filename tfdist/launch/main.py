@@ -9,6 +9,17 @@ Classic form, one task per command (as in TF1's examples):
 A ps task serves until SIGTERM / SIGINT and exits 0; a worker (or chief) task sets TF_CONFIG
 and runs the command given after `--`.
 
+Inside a Kubernetes pod of the manifests below (TF_CONFIG from the pod's index), or with
+TF_CONFIG already set (e.g. by Kubeflow's operator):
+
+    tfdist-launch --kubernetes --name=job --num_ps=1 --num_workers=4 --job_name=worker -- ...
+    tfdist-launch --from_tf_config --job_name=ps
+
+Kubernetes manifests from the same flags as a local cluster:
+
+    tfdist-launch --kubernetes_manifest=job.yaml --image=IMAGE --num_ps=1 --num_workers=4 \
+        -- python train.py
+
 Local form, a whole cluster in one command:
 
     tfdist-launch --local --num_ps=1 --num_workers=3 --timeout=600 \
@@ -46,6 +57,27 @@ flags.DEFINE_float("grace_period", 3.0,
                    "With --local: seconds the other tasks get after one fails.", lower_bound=0)
 
 
+flags.DEFINE_bool("from_tf_config", False,
+                  "Take the cluster and this task from TF_CONFIG instead of the host flags.")
+flags.DEFINE_bool("kubernetes", False,
+                  "Inside a pod of tfdist's plain manifests: derive TF_CONFIG from the pod's "
+                  "index, --name, --namespace, --port, --num_ps and --num_workers.")
+flags.DEFINE_string("kubernetes_manifest", None,
+                    "Write the Kubernetes manifests of this job to this file ('-': stdout) "
+                    "and exit; uses --image, --k8s_kind, --name, --namespace, --port, "
+                    "--num_ps, --num_workers, --cpu, --memory and the command after `--`.")
+flags.DEFINE_string("image", None, "With --kubernetes_manifest: the container image.")
+flags.DEFINE_enum("k8s_kind", "plain", ["plain", "tfjob"],
+                  "With --kubernetes_manifest: StatefulSet + Indexed Job + Services (plain), "
+                  "or a Kubeflow TFJob.")
+flags.DEFINE_string("name", "tfdist", "Kubernetes job name (a DNS label).")
+flags.DEFINE_string("namespace", "default", "Kubernetes namespace.")
+flags.DEFINE_integer("port", 2222, "gRPC port of every task in Kubernetes.", lower_bound=1,
+                     upper_bound=65535)
+flags.DEFINE_string("cpu", None, "Kubernetes CPU of each pod (requests = limits), e.g. 2.")
+flags.DEFINE_string("memory", None, "Kubernetes memory of each pod, e.g. 4Gi.")
+
+
 @flags.validator("timeout", message="--timeout must be a positive number of seconds")
 def _check_timeout(value):
     return value is None or value > 0
@@ -60,6 +92,19 @@ def _worker_command(argv):
 
 def _config_from_flags():
     try:
+        if FLAGS.kubernetes:
+            from tfdist.cluster.kubernetes import pod_cluster_config
+
+            return pod_cluster_config(FLAGS.name, FLAGS.job_name, FLAGS.num_ps,
+                                      FLAGS.num_workers, FLAGS.namespace, FLAGS.port)
+        if FLAGS.from_tf_config:
+            from tfdist.cluster import parse_tf_config
+
+            config = parse_tf_config()
+            if FLAGS.job_name and config.task_type != FLAGS.job_name:
+                raise TFConfigError(f"--job_name={FLAGS.job_name} but TF_CONFIG's task type "
+                                    f"is {config.task_type!r}")
+            return config
         return ClusterConfig.from_hosts(
             ps_hosts=FLAGS.ps_hosts, worker_hosts=FLAGS.worker_hosts,
             chief_host=FLAGS.chief_host, job_name=FLAGS.job_name, task_index=FLAGS.task_index)
@@ -94,13 +139,43 @@ def _run_local(command):
     return result.returncode
 
 
+def _write_manifests(command):
+    from tfdist.launch.kubernetes import manifests
+    from tfdist.launch.kubernetes import to_yaml
+
+    if not FLAGS.image:
+        raise app.UsageError("--kubernetes_manifest needs --image=IMAGE (an image with tfdist "
+                             "and your script installed)")
+    if not command:
+        raise app.UsageError("--kubernetes_manifest needs the worker command after `--`, "
+                             "e.g. `-- python train.py`")
+    try:
+        docs = manifests(FLAGS.name, FLAGS.image, command, num_ps=FLAGS.num_ps,
+                         num_workers=FLAGS.num_workers, namespace=FLAGS.namespace,
+                         port=FLAGS.port, kind=FLAGS.k8s_kind, cpu=FLAGS.cpu,
+                         memory=FLAGS.memory)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    text = to_yaml(docs)
+    if FLAGS.kubernetes_manifest == "-":
+        sys.stdout.write(text)
+    else:
+        with open(FLAGS.kubernetes_manifest, "w") as f:
+            f.write(text)
+        print(f"[tfdist-launch] wrote {len(docs)} manifests to {FLAGS.kubernetes_manifest}; "
+              f"run: kubectl apply -f {FLAGS.kubernetes_manifest}", file=sys.stderr)
+    return 0
+
+
 def main(argv):
     command = _worker_command(argv)
+    if FLAGS.kubernetes_manifest:
+        return _write_manifests(command)
     if FLAGS.local:
         if FLAGS.job_name:
             raise app.UsageError("--local starts every task itself: drop --job_name")
         return _run_local(command)
-    if FLAGS.job_name is None:
+    if FLAGS.job_name is None and not FLAGS.from_tf_config:
         raise app.UsageError("give --job_name=ps|worker|chief with the cluster's host flags, "
                              "or --local to start a whole cluster on this machine")
     config = _config_from_flags()
