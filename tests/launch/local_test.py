@@ -34,6 +34,8 @@ def _python(code):
 
 
 class LocalClusterTest(tf.test.TestCase):
+    # On the machine's network, so that "no port left open" is checked from here (inside a
+    # private network the ports are out of reach anyway: isolation_test.py).
 
     def _assert_torn_down(self, cluster):
         pids = [cluster.pid(name) for name in cluster.task_names]
@@ -47,7 +49,7 @@ class LocalClusterTest(tf.test.TestCase):
         code = ("import json, os; c = json.loads(os.environ['TF_CONFIG']); "
                 "print('task', c['task']['type'], c['task']['index'], len(c['cluster']['worker']))")
         with LocalCluster(_python(code), num_ps=1, num_workers=2, output=out,
-                          timeout=RUN_TIMEOUT) as cluster:
+                          timeout=RUN_TIMEOUT, isolate_network=False) as cluster:
             result = cluster.wait()
         self.assertEqual(result.returncode, 0, out.getvalue())
         self.assertIn("[worker:0] task worker 0 2", out.getvalue())
@@ -61,7 +63,8 @@ class LocalClusterTest(tf.test.TestCase):
                 "sys.exit(7) if c['task']['index'] == 1 else time.sleep(120)")
         start = time.monotonic()
         with LocalCluster(_python(code), num_ps=0, num_workers=3, output=None,
-                          grace_period=0.5, timeout=RUN_TIMEOUT) as cluster:
+                          grace_period=0.5, timeout=RUN_TIMEOUT,
+                          isolate_network=False) as cluster:
             result = cluster.wait()
         self.assertLess(time.monotonic() - start, 30)
         self.assertEqual(result.returncode, 7)
@@ -71,7 +74,8 @@ class LocalClusterTest(tf.test.TestCase):
 
     def test_killed_worker_is_named_within_seconds(self):
         with LocalCluster(_python("import time; time.sleep(120)"), num_ps=1, num_workers=2,
-                          output=None, grace_period=0.5, timeout=RUN_TIMEOUT) as cluster:
+                          output=None, grace_period=0.5, timeout=RUN_TIMEOUT,
+                          isolate_network=False) as cluster:
             time.sleep(0.5)
             os.kill(cluster.pid("worker:1"), signal.SIGKILL)
             start = time.monotonic()
@@ -90,7 +94,7 @@ class LocalClusterTest(tf.test.TestCase):
                 "print(1, flush=True); time.sleep(120)']); "
                 "print('grandchild', p.pid, flush=True); time.sleep(120)")
         with LocalCluster(_python(code), num_ps=0, num_workers=1, output=None,
-                          timeout=3) as cluster:
+                          timeout=3, isolate_network=False) as cluster:
             result = cluster.wait()
         self.assertTrue(result.timed_out)
         self.assertEqual(result.returncode, 124)
@@ -105,7 +109,8 @@ class LocalClusterTest(tf.test.TestCase):
     def test_exception_in_with_block_tears_down(self):
         with self.assertRaises(RuntimeError):
             with LocalCluster(_python("import time; time.sleep(120)"), num_ps=1, num_workers=1,
-                              output=None, timeout=RUN_TIMEOUT) as cluster:
+                              output=None, timeout=RUN_TIMEOUT,
+                              isolate_network=False) as cluster:
                 raise RuntimeError("boom")
         self._assert_torn_down(cluster)
 

@@ -6,12 +6,15 @@ with tfdist.launch.LocalCluster(["python", "train.py"], num_ps=1, num_workers=3)
 print(result.returncode, result.failed_task)
 ```
 
-Every task is its own process group started with its own TF_CONFIG on free localhost ports.
+Every task is its own process group started with its own TF_CONFIG on free localhost ports,
+inside a private network namespace where the system allows one (`tfdist.launch.isolation`):
+nothing outside the cluster can reach its servers.
 Output lines are prefixed with the task (`[worker:1] ...`). The cluster is torn down on the
 first failing task (after `grace_period`), on `timeout`, on Ctrl-C, and on leaving the `with`
 block: no process or open port outlives it.
 """
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -27,6 +30,7 @@ from tfdist.cluster import ClusterConfig
 from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import pick_free_ports
 from tfdist.cluster import wait_for_tasks
+from tfdist.launch.isolation import private_network
 
 # Set for every task: blocking ops across clients hang with streaming enqueue (the ps runs
 # each client's eager ops on one thread, so one blocked op freezes every client).
@@ -60,11 +64,11 @@ class LocalClusterResult:
 class _Task:
     """One child process and the thread that prefixes its output."""
 
-    def __init__(self, name, argv, env, output, lines, lock, cwd):
+    def __init__(self, name, argv, env, output, lines, lock, cwd, preexec_fn=None):
         self.name = name
         self.process = subprocess.Popen(
             argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True)
+            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec_fn)
         self._reader = threading.Thread(
             target=self._pump, args=(output, lines, lock), daemon=True, name=f"pump-{name}")
         self._reader.start()
@@ -117,11 +121,15 @@ class LocalCluster:
       stop_on_failure: stop every task when one fails (default). With False the other
         workers run on (a fault-tolerant job), and the run still ends non-zero naming the
         first task that failed.
+      isolate_network: "auto" (default) runs the tasks in a private network namespace, or
+        warns loudly where the system refuses one; True requires it; False runs them on the
+        machine's network.
     """
 
     def __init__(self, command, num_ps=1, num_workers=1, timeout=None, grace_period=3.0,
                  env=None, output=sys.stdout, host="localhost", ps_threads=None,
-                 startup_timeout=30.0, cwd=None, stop_on_failure=True):
+                 startup_timeout=30.0, cwd=None, stop_on_failure=True,
+                 isolate_network="auto"):
         if not command or isinstance(command, str):
             raise ValueError(f"`command` must be a non-empty argv list. Received: {command!r}")
         if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
@@ -143,6 +151,11 @@ class LocalCluster:
         self.output = output
         self.cwd = cwd
         self.stop_on_failure = stop_on_failure
+        if isolate_network not in ("auto", True, False):
+            raise ValueError(f"`isolate_network` must be 'auto', True or False. Received: "
+                             f"{isolate_network!r}")
+        self.isolate_network = isolate_network
+        self.network = None
         ports = pick_free_ports(num_ps + num_workers)
         self.config = ClusterConfig.from_hosts(
             ps_hosts=[f"{host}:{p}" for p in ports[:num_ps]],
@@ -166,12 +179,16 @@ class LocalCluster:
         env.update(TASK_ENVIRONMENT)
         env.update(self.env)
         env["TF_CONFIG"] = config.to_json()
-        self._tasks[name] = _Task(name, argv, env, self.output, self.lines, self._lock, self.cwd)
+        preexec = self.network.enter_in_child if self.network is not None else None
+        self._tasks[name] = _Task(name, argv, env, self.output, self.lines, self._lock, self.cwd,
+                                  preexec)
 
     def start(self):
         """Starts the ps tasks, waits until they listen, then starts the workers."""
         self._start_time = time.monotonic()
         try:
+            if self.isolate_network and self.network is None:
+                self.network = private_network(required=self.isolate_network is True)
             for i in range(self.config.num_ps):
                 argv = [sys.executable, "-m", "tfdist.launch", "--job_name=ps",
                         f"--task_index={i}", "--ps_hosts=" + ",".join(self.config.cluster["ps"])]
@@ -197,7 +214,9 @@ class LocalCluster:
                         f"/job:ps/task:{i} exited with {_signal_name(code)} before it listened "
                         f"at {self.config.cluster['ps'][i]}")
             try:
-                wait_for_tasks(addresses, timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                with self.network.inside() if self.network else contextlib.nullcontext():
+                    wait_for_tasks(addresses,
+                                   timeout=min(1.0, max(0.0, deadline - time.monotonic())))
                 return
             except TaskUnreachableError:
                 if time.monotonic() > deadline:
@@ -288,6 +307,9 @@ class LocalCluster:
             except (ProcessLookupError, PermissionError):
                 pass
             task.finish_output()
+        if self.network is not None:
+            self.network.close()
+            self.network = None
 
 
 def run_local_cluster(command, **kwargs):

@@ -53,6 +53,10 @@ flags.DEFINE_float("timeout", None, "With --local: seconds the whole run may tak
 flags.DEFINE_bool("stop_on_failure", True,
                   "With --local: stop every task when one fails; --nostop_on_failure lets the "
                   "other workers run on (fault-tolerant jobs).")
+flags.DEFINE_bool("isolate_network", True,
+                  "With --local: run the tasks in a private network namespace, so that nothing "
+                  "outside the cluster can reach its TensorFlow servers (a loud warning where "
+                  "the system refuses one). --noisolate_network uses the machine's network.")
 flags.DEFINE_float("grace_period", 3.0,
                    "With --local: seconds the other tasks get after one fails.", lower_bound=0)
 
@@ -120,7 +124,8 @@ def _run_local(command):
                              "`tfdist-launch --local -- python train.py`")
     cluster = LocalCluster(command, num_ps=FLAGS.num_ps, num_workers=FLAGS.num_workers,
                            timeout=FLAGS.timeout, grace_period=FLAGS.grace_period,
-                           ps_threads=FLAGS.ps_threads, stop_on_failure=FLAGS.stop_on_failure)
+                           ps_threads=FLAGS.ps_threads, stop_on_failure=FLAGS.stop_on_failure,
+                           isolate_network="auto" if FLAGS.isolate_network else False)
 
     def _terminate(signum, frame):
         raise KeyboardInterrupt

@@ -1,0 +1,126 @@
+"""A private network for a local cluster: nothing outside can reach its servers.
+
+TensorFlow servers listen on every interface and run any op any client sends. A local cluster's
+tasks only ever talk to each other over loopback, so tfdist starts them in a network namespace
+of their own whose only interface is a loopback: other machines, other namespaces, and even
+other processes of this machine outside the cluster cannot connect to their ports.
+
+Creating a network namespace needs CAP_SYS_ADMIN (root, or a user namespace where the system
+allows one). Where it is refused, `private_network()` warns loudly and the cluster runs on the
+machine's own network, as TensorFlow would.
+"""
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import socket
+import struct
+import sys
+import threading
+import warnings
+
+_CLONE_NEWNET = 0x40000000
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
+
+
+class IsolationUnavailable(OSError):
+    """This system does not let tfdist create a private network namespace."""
+
+
+def _libc():
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "unshare") or not hasattr(libc, "setns"):
+        raise IsolationUnavailable(errno.ENOSYS, "no unshare/setns in this C library")
+    return libc
+
+
+def _setns(libc, fd):
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"setns: {os.strerror(code)}")
+
+
+def _bring_loopback_up():
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        request = struct.pack("16sH", b"lo", 0)
+        flags = struct.unpack("16sH", fcntl.ioctl(s, _SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH", b"lo", flags | _IFF_UP))
+
+
+class PrivateNetwork:
+    """A network namespace with only a loopback interface, held open by a file descriptor.
+
+    Create it, start processes in it with `preexec_fn=network.enter_in_child`, run code of
+    this process in it with `with network.inside(): ...`, and `close()` it when done.
+    """
+
+    def __init__(self):
+        if not sys.platform.startswith("linux"):
+            raise IsolationUnavailable(errno.ENOSYS, "network namespaces are Linux-only")
+        self._libc = _libc()
+        self.fd = None
+        result = {}
+        # Namespaces belong to threads: build this one on a thread of its own, so that the
+        # calling thread never leaves the machine's network.
+        worker = threading.Thread(target=self._create, args=(result,), daemon=True)
+        worker.start()
+        worker.join()
+        if "error" in result:
+            raise result["error"]
+        self.fd = result["fd"]
+
+    def _create(self, result):
+        try:
+            if self._libc.unshare(_CLONE_NEWNET) != 0:
+                code = ctypes.get_errno()
+                raise IsolationUnavailable(code, f"unshare(CLONE_NEWNET): {os.strerror(code)}")
+            _bring_loopback_up()
+            result["fd"] = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            result["error"] = e if isinstance(e, IsolationUnavailable) else IsolationUnavailable(
+                e.errno or errno.EPERM, f"cannot set up a private network: {e}")
+
+    def enter_in_child(self):
+        """For `subprocess.Popen(preexec_fn=...)`: the child starts inside the namespace."""
+        _setns(self._libc, self.fd)
+
+    @contextlib.contextmanager
+    def inside(self):
+        """Runs the block's socket calls (this thread only) inside the namespace."""
+        original = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            _setns(self._libc, self.fd)
+            try:
+                yield self
+            finally:
+                _setns(self._libc, original)
+        finally:
+            os.close(original)
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def private_network(required=False):
+    """A `PrivateNetwork`, or None with a loud warning where the system refuses one.
+
+    Args:
+      required: raise `IsolationUnavailable` instead of warning.
+    """
+    try:
+        return PrivateNetwork()
+    except IsolationUnavailable as e:
+        if required:
+            raise
+        message = (
+            f"tfdist: WARNING: could not give the local cluster a private network ({e}); its "
+            "TensorFlow servers listen on every interface of this machine and run any op any "
+            "client sends them. Run it on a machine no one else can reach, or as a user allowed "
+            "to create network namespaces.")
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+        print(message, file=sys.stderr, flush=True)
+        return None
