@@ -54,6 +54,9 @@ def _run(strategy_flags, num_ps, straggler_delay=0.0):
 def _mode(name, strategy_flags, num_ps):
     print(f"{name}: without straggler ...", flush=True)
     base = _run(strategy_flags, num_ps)
+    if "error" in base and "multi_worker_mirrored" in " ".join(strategy_flags):
+        base["error"] = ("Keras 3.15 fit fails under it out of the box (keras-team/keras#20585): "
+                         + base["error"].split(" 0: <tf.Tensor")[0][:160])
     if "error" in base:
         print(f"{name}: does not run: {base['error']}", flush=True)
         return {"error": base["error"]}

@@ -1,0 +1,218 @@
+"""One command for every benchmark of this repository, and one readable report.
+
+    python benchmarks/report.py            # CI-sized settings, a few minutes
+    python benchmarks/report.py --full     # the settings the issues ask for (about an hour)
+    python benchmarks/report.py --reuse    # rebuild the report from the JSON already there
+
+Writes into --out_dir: straggler.{json,png}, quality.{json,png}, scaling.json,
+capacity.{json,png} and report.md, which shows the tables and plots side by side with the TF
+built-ins measured in the same run (where they run).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+from absl import app
+from absl import flags
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import capacity  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_bool("full", False, "Full settings (3 seeds, 4 and 8 workers, 20 epochs).")
+flags.DEFINE_bool("reuse", False, "Use the JSON results already in --out_dir where present.")
+flags.DEFINE_string("out_dir", os.path.join("benchmarks", "results"), "Where results go.")
+flags.DEFINE_float("bandwidth_gbit", 10.0, "Network bandwidth of the capacity projection.")
+flags.DEFINE_float("latency_us", 50.0, "Network latency of the capacity projection.")
+flags.DEFINE_float("run_timeout", 3600.0, "Seconds each benchmark may take.")
+
+
+def _path(name):
+    return os.path.join(FLAGS.out_dir, name)
+
+
+def _run(script, *args):
+    command = [sys.executable, os.path.join(HERE, script), *args]
+    print("$", " ".join(command[1:]), flush=True)
+    subprocess.run(command, check=True, timeout=FLAGS.run_timeout)
+
+
+def _load(name):
+    with open(_path(name)) as f:
+        return json.load(f)
+
+
+def _needed(name):
+    return not (FLAGS.reuse and os.path.exists(_path(name)))
+
+
+def measure_scaling(worker_counts, window):
+    """Hard-sync and async update rates at each worker count (1 ps)."""
+    from tfdist.launch import LocalCluster
+
+    results = {}
+    for mode, strategy_flags in (("hard sync", ["--strategy=soft_sync"]),
+                                 ("async", ["--strategy=async"])):
+        results[mode] = {}
+        for m in worker_counts:
+            with tempfile.TemporaryDirectory() as out:
+                command = [sys.executable, os.path.join(HERE, "ps_worker.py"),
+                           f"--out_dir={out}", f"--window={window}", *strategy_flags]
+                with LocalCluster(command, num_ps=1, num_workers=m, output=None,
+                                  timeout=FLAGS.run_timeout) as cluster:
+                    result = cluster.wait()
+                if result.returncode:
+                    raise RuntimeError(f"{mode} on {m} workers failed: {result.message}")
+                with open(os.path.join(out, "rate.json")) as f:
+                    results[mode][m] = json.load(f)["updates_per_second"]
+            print(f"scaling: {mode}, {m} workers: {results[mode][m]:.1f} updates/s", flush=True)
+    return results
+
+
+def model_bytes():
+    # The digits MLP of the benchmarks: 64 -> 64 -> 10, float32.
+    parameters = 64 * 64 + 64 + 64 * 10 + 10
+    return 4 * parameters
+
+
+def build_capacity(scaling):
+    rates = {int(m): r for m, r in scaling["hard sync"].items()}
+    compute_s, per_push_s = capacity.fit_local(rates)
+    model = capacity.CapacityModel(
+        compute_s=compute_s, per_push_s=per_push_s, model_bytes=model_bytes(),
+        bandwidth_bytes_s=FLAGS.bandwidth_gbit * 1e9 / 8, latency_s=FLAGS.latency_us * 1e-6)
+    workers = [8, 16, 32, 64, 128, 256, 512, 1024]
+    return {"fit": {"compute_s": compute_s, "per_push_s": per_push_s,
+                    "model_bytes": model.model_bytes, "bandwidth_gbit": FLAGS.bandwidth_gbit,
+                    "latency_us": FLAGS.latency_us, "jitter": model.jitter,
+                    "compression_ratio": model.compression_ratio},
+            "local_check": capacity.check_local(rates, compute_s, per_push_s),
+            "projection": model.projections(workers)}
+
+
+def plot_capacity(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["projection"]
+    workers = [r["workers"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in rows[0]:
+        if key != "workers":
+            ax.plot(workers, [1000 * r[key] for r in rows], marker="o",
+                    label=key.replace("_s", "").replace("_", " "))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("workers")
+    ax.set_ylabel("projected step time (ms)")
+    ax.set_title(f"Capacity model, {result['fit']['bandwidth_gbit']:g} Gbit/s, digits MLP")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def _table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_report(straggler, quality, scaling, capacity_result):
+    parts = ["# tfdist benchmark report", "",
+             f"Settings: {'full' if FLAGS.full else 'CI-sized (fast)'}; every figure below was "
+             "measured on this machine in one run, so compare ratios, not absolute times "
+             "(2 shared cores: workers, ps and launcher all compete for them).", ""]
+    parts += ["## Update rate with one straggler", "",
+              f"1 ps + {straggler['num_workers']} workers; the last worker slowed "
+              f"{straggler['slowdown']:g}x. Rate = chief's global steps per second.", ""]
+    rows = []
+    for name, r in straggler["modes"].items():
+        if "rate_ratio" in r:
+            rows.append([name, f"{r['baseline']['updates_per_second']:.1f}",
+                         f"{r['straggler']['updates_per_second']:.1f}",
+                         f"{r['rate_ratio']:.2f}"])
+        else:
+            rows.append([name, "does not run", "", r.get("error", "")[:120]])
+    parts += [_table(["mode", "no straggler (updates/s)", "with straggler", "ratio"], rows),
+              "", "![straggler](straggler.png)", ""]
+    parts += ["## Accuracy (digits) against single-process training", "",
+              f"{quality['epochs']} epochs, seeds {quality['seeds']}; mean test accuracy, "
+              "difference to one process in points, mean training seconds.", ""]
+    single = quality["single process"]
+    rows = [["single process", "1", f"{single['test_accuracy_mean']:.4f}", "",
+             f"{single['train_seconds_mean']:.1f}"]]
+    for group in (k for k in quality if k.endswith("workers")):
+        for name, r in quality[group].items():
+            rows.append([name, group.split()[0], f"{r['test_accuracy_mean']:.4f} "
+                         f"± {r['test_accuracy_std']:.4f}", f"{r['vs_single_points']:+.2f}",
+                         f"{r['train_seconds_mean']:.1f}"])
+    parts += [_table(["mode", "workers", "test accuracy", "vs single", "train s"], rows), "",
+              "![quality](quality.png)", ""]
+    parts += ["## Scaling on this machine and the capacity model", ""]
+    modes = list(scaling)
+    counts = sorted({int(m) for mode in modes for m in scaling[mode]})
+    rows = [[m] + [f"{scaling[mode].get(str(m), scaling[mode].get(m, float('nan'))):.1f}"
+                   for mode in modes] for m in counts]
+    parts += [_table(["workers"] + [f"{mode} (updates/s)" for mode in modes], rows), ""]
+    fit = capacity_result["fit"]
+    parts += [f"Least-squares fit over the measured worker counts: {1000 * fit['compute_s']:.2f}"
+              f" ms per update plus {1000 * fit['per_push_s']:.2f} ms per push. On this "
+              "machine the per-push term also holds the sharing of 2 cores by every process, "
+              "so the parameter-server projections below are pessimistic. Check against the "
+              "measured hard-sync figures:", ""]
+    rows = [[r["workers"], f"{1000 * r['measured_s']:.2f}", f"{1000 * r['predicted_s']:.2f}",
+             f"{100 * r['error']:+.0f} %"] for r in capacity_result["local_check"]]
+    parts += [_table(["workers", "measured ms/update", "model ms/update", "error"], rows), ""]
+    parts += [f"Projection past one machine ({fit['bandwidth_gbit']:g} Gbit/s, "
+              f"{fit['latency_us']:g} µs latency, {fit['model_bytes']} model bytes, jitter "
+              f"{fit['jitter']:g}, compression x{fit['compression_ratio']:g}); the model is "
+              "documented in `benchmarks/capacity.py`:", ""]
+    projection = capacity_result["projection"]
+    keys = [k for k in projection[0] if k != "workers"]
+    rows = [[r["workers"]] + [f"{1000 * r[k]:.2f}" for k in keys] for r in projection]
+    parts += [_table(["workers"] + [k[:-2].replace("_", " ") + " (ms)" for k in keys], rows), "",
+              "![capacity](capacity.png)", ""]
+    parts += ["## Bytes per step", "",
+              f"Dense float32 model: {model_bytes()} bytes. A parameter-server worker pushes one "
+              "gradient and reads one model per step (2x that); ring all-reduce moves "
+              "2(M-1)/M of it per link. Compressed exchange is not measured yet (the "
+              "`tfdist.compression` issue).", ""]
+    with open(_path("report.md"), "w") as f:
+        f.write("\n".join(parts))
+
+
+def main(argv):
+    del argv
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    if _needed("straggler.json"):
+        _run("straggler.py", f"--out={_path('straggler')}",
+             *(["--num_workers=4", "--window=10"] if FLAGS.full
+               else ["--num_workers=3", "--window=4"]))
+    if _needed("quality.json"):
+        _run("quality.py", f"--out={_path('quality')}",
+             *([] if FLAGS.full else ["--seeds=1", "--workers=2", "--epochs=3",
+                                      "--modes=hard sync,async inverse,averaging k=4"]))
+    if _needed("scaling.json"):
+        scaling = measure_scaling([1, 2, 4, 8] if FLAGS.full else [1, 2, 3],
+                                  10.0 if FLAGS.full else 3.0)
+        with open(_path("scaling.json"), "w") as f:
+            json.dump(scaling, f, indent=1)
+    scaling = _load("scaling.json")
+    capacity_result = build_capacity(scaling)
+    with open(_path("capacity.json"), "w") as f:
+        json.dump(capacity_result, f, indent=1)
+    plot_capacity(capacity_result, _path("capacity.png"))
+    write_report(_load("straggler.json"), _load("quality.json"), scaling, capacity_result)
+    print(f"report: {_path('report.md')}", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
