@@ -31,6 +31,15 @@ class TrainDigitsTest(tf.test.TestCase):
         self.assertGreater(cluster["test_accuracy"], single["test_accuracy"] - 0.01)
         self.assertEqual(cluster["history"]["dropped_gradients"][-1], 0)
 
+    def test_async_and_model_averaging_train_digits(self):
+        for strategy, extra in (("async", ["--strategy_arg=staleness=inverse"]),
+                                ("model_averaging", ["--strategy_arg=period=4"])):
+            result = self._accuracy(sys.executable, "-m", "tfdist.launch", "--local",
+                                    "--num_ps=1", "--num_workers=2", "--timeout=300", "--",
+                                    flags=[f"--strategy={strategy}", "--epochs=10", *extra])
+            self.assertEqual(result["strategy"], strategy)
+            self.assertGreater(result["test_accuracy"], 0.93, strategy)
+
 
 if __name__ == "__main__":
     tf.test.main()
