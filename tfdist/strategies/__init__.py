@@ -3,8 +3,8 @@
 from tfdist.strategies import registry as _registry
 from tfdist.strategies.flags import define_flags
 from tfdist.strategies.flags import from_flags
+from tfdist.strategies.model_averaging import ModelAveragingStrategy
 from tfdist.strategies.parameter_server import AsyncStrategy
-from tfdist.strategies.parameter_server import ModelAveragingStrategy
 from tfdist.strategies.parameter_server import SoftSyncStrategy
 from tfdist.strategies.registry import get
 from tfdist.strategies.registry import names
