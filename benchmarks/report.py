@@ -107,7 +107,7 @@ def plot_capacity(result, path):
     for key in rows[0]:
         if key != "workers":
             ax.plot(workers, [1000 * r[key] for r in rows], marker="o",
-                    label=key.replace("_s", "").replace("_", " "))
+                    label=key[:-2].replace("_", " "))
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("workers")
@@ -127,9 +127,10 @@ def _table(header, rows):
 
 def write_report(straggler, quality, scaling, capacity_result):
     parts = ["# tfdist benchmark report", "",
-             f"Settings: {'full' if FLAGS.full else 'CI-sized (fast)'}; every figure below was "
-             "measured on this machine in one run, so compare ratios, not absolute times "
-             "(2 shared cores: workers, ps and launcher all compete for them).", ""]
+             f"Settings: {'full' if FLAGS.full else 'CI-sized (fast)'}. Every figure was "
+             "measured on this machine; each comparison (a ratio, a difference to one process) "
+             "is between figures of the same benchmark run. Compare those, not absolute times: "
+             "workers, ps and launcher share this machine's cores.", ""]
     parts += ["## Update rate with one straggler", "",
               f"1 ps + {straggler['num_workers']} workers; the last worker slowed "
               f"{straggler['slowdown']:g}x. Rate = chief's global steps per second.", ""]
