@@ -10,7 +10,7 @@ import tfdist
 from tests.strategies import ps_program
 from tests.strategies.ps_testing import cluster_log
 from tests.strategies.ps_testing import load_result
-from tests.strategies.ps_testing import make_cluster
+from tests.strategies.ps_testing import run_cluster
 from tfdist.cluster import ClusterConfig
 
 
@@ -18,10 +18,10 @@ class ModelAveragingTest(tf.test.TestCase):
 
     def test_rounds_every_period_and_every_worker_ends_on_the_average(self):
         out = self.get_temp_dir()
-        with make_cluster(out, 2, "--strategy=model_averaging", "--strategy_arg=period=4",
-                          "--strategy_arg=optimizer_state='averaged'", "--optimizer=momentum",
-                          "--epochs=4") as cluster:
-            result = cluster.wait()
+        cluster, result, out = run_cluster(out, 2, "--strategy=model_averaging",
+                                           "--strategy_arg=period=4",
+                                           "--strategy_arg=optimizer_state='averaged'",
+                                           "--optimizer=momentum", "--epochs=4")
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         steps = 4 * ps_program.ROWS // 2 // ps_program.BATCH
         chief, other = load_result(out, "worker0.json"), load_result(out, "worker1.json")

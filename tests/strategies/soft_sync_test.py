@@ -18,6 +18,7 @@ from tests.strategies import ps_program
 from tests.strategies.ps_testing import cluster_log
 from tests.strategies.ps_testing import load_result
 from tests.strategies.ps_testing import make_cluster
+from tests.strategies.ps_testing import run_cluster
 from tests.strategies.ps_testing import wait_for_line
 from tfdist.cluster import ClusterConfig
 from tfdist.cluster import TaskUnreachableError
@@ -31,10 +32,9 @@ class HardSyncEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
     def test_two_workers_match_one_process_on_the_combined_batch(self, strategy, optimizer):
         # Model averaging every step with plain SGD is hard sync too.
         out = self.get_temp_dir()
-        with make_cluster(out, 2, "--scenario=equivalence", "--epochs=3",
-                          f"--strategy={strategy}", f"--optimizer={optimizer}",
-                          num_ps=2) as cluster:
-            result = cluster.wait()
+        cluster, result, out = run_cluster(out, 2, "--scenario=equivalence", "--epochs=3",
+                                           f"--strategy={strategy}", f"--optimizer={optimizer}",
+                                           num_ps=2)
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         chief = load_result(out, "worker0.json")
         self.assertEqual(chief["updates"], 3 * (ps_program.ROWS // 2 // ps_program.BATCH))
@@ -60,9 +60,8 @@ class DroppedGradientTest(tf.test.TestCase):
 
     def test_a_gradient_from_an_old_step_is_dropped_and_counted(self):
         out = self.get_temp_dir()
-        with make_cluster(out, 2, "--scenario=late",
-                      "--strategy_arg=replicas_to_aggregate=1") as cluster:
-            result = cluster.wait()
+        cluster, result, out = run_cluster(out, 2, "--scenario=late",
+                                           "--strategy_arg=replicas_to_aggregate=1")
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         chief, late = load_result(out, "worker0.json"), load_result(out, "worker1.json")
         chief_steps = load_result(out, "chief_done")["step"]
