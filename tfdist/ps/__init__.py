@@ -1,0 +1,1 @@
+"""The parameter-server runtime: connection, master variables, update policies, the updater."""
