@@ -1,8 +1,5 @@
 """AsyncStrategy: staleness policies against numpy, measured staleness, bounded staleness."""
 
-import json
-import os
-
 import numpy as np
 import tensorflow as tf
 
@@ -133,7 +130,6 @@ class AsyncTrainingTest(tf.test.TestCase):
         self.assertGreater(load_result(out, "worker0.json")["updates"], 0)
 
 
-del json, os
 
 if __name__ == "__main__":
     tf.test.main()

@@ -8,7 +8,6 @@ import os
 import signal
 import time
 
-import keras
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
@@ -178,7 +177,6 @@ class ConstructionTest(tf.test.TestCase):
             tfdist.strategies.get("soft_sync", cluster=self._config(num_ps=0))
 
 
-del keras
 
 if __name__ == "__main__":
     tf.test.main()

@@ -27,7 +27,6 @@ import tensorflow as tf
 from tfdist.cluster import is_listening
 from tfdist.ps.policies import HISTOGRAM_BUCKETS
 from tfdist.ps.policies import delay_compensated
-from tfdist.ps.variables import is_initialized
 from tfdist.ps.variables import open_shared_variable
 from tfdist.ps.variables import wait_until_initialized
 
@@ -529,5 +528,4 @@ class ChiefWatch:
         self._done.set()
 
 
-__all__ = ["SyncResources", "GradientLayout", "Updater", "ChiefWatch", "in_updater",
-           "is_initialized"]
+__all__ = ["SyncResources", "GradientLayout", "Updater", "ChiefWatch", "in_updater"]
