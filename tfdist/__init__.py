@@ -13,7 +13,7 @@ os.environ.setdefault("TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE", "False")
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("cluster", "launch", "strategies")
+_SUBMODULES = ("cluster", "compression", "launch", "strategies")
 
 __all__ = [*_SUBMODULES, "__version__"]
 

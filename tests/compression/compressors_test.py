@@ -1,0 +1,211 @@
+"""Tests of the compressors: shapes, payload sizes, error feedback, registry round trips."""
+
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import tfdist
+from tfdist.compression import quantize
+
+ALL = [(name,) for name in ["none", "fp16", "bf16", "topk", "randomk", "threshold", "onebit",
+                            "signsgd", "terngrad", "qsgd", "powersgd", "dgc"]]
+GENERIC_MEMORY = [(name,) for name in ["fp16", "bf16", "topk", "randomk", "threshold",
+                                       "onebit", "signsgd", "terngrad", "qsgd", "powersgd"]]
+
+
+def nbytes(payload):
+    return sum(int(tf.size(t)) * t.dtype.size for t in payload)
+
+
+class CompressorTest(tf.test.TestCase, parameterized.TestCase):
+
+    def test_registry_has_every_builtin(self):
+        self.assertEqual(sorted(n for (n,) in ALL), tfdist.compression.names())
+
+    @parameterized.parameters(ALL)
+    def test_config_round_trips(self, name):
+        compressor = tfdist.compression.get(name)
+        config = tfdist.compression.serialize(compressor)
+        again = tfdist.compression.get(config)
+        self.assertEqual(type(again), type(compressor))
+        self.assertEqual(again.get_config(), compressor.get_config())
+
+    @parameterized.parameters(ALL)
+    def test_shape_and_dtype_preserved(self, name):
+        compressor = tfdist.compression.get(name)
+        for dtype in (tf.float32, tf.float16):
+            x = tf.cast(tf.random.stateless_normal([12, 9, 5], seed=[1, 2]), dtype)
+            payload, _ = compressor.compress(x)
+            y = compressor.decompress(payload, x.shape, x.dtype)
+            self.assertEqual(y.shape, x.shape)
+            self.assertEqual(y.dtype, x.dtype)
+
+    @parameterized.parameters(ALL)
+    def test_non_float_tensors_untouched(self, name):
+        compressor = tfdist.compression.get(name)
+        x = tf.range(24, dtype=tf.int32)
+        payload, state = compressor.compress(x)
+        self.assertEqual(state, {})
+        self.assertAllEqual(compressor.decompress(payload, x.shape, x.dtype), x)
+
+    @parameterized.parameters(ALL)
+    def test_payload_size_is_as_documented(self, name):
+        compressor = tfdist.compression.get(name)
+        x = tf.random.stateless_normal([300, 40], seed=[3, 4])
+        payload, _ = compressor.compress(x)
+        documented = compressor.payload_bytes(x.shape, x.dtype)
+        if compressor.variable_size:
+            self.assertLessEqual(nbytes(payload), documented)
+        else:
+            self.assertEqual(nbytes(payload), documented)
+        self.assertEqual(tuple(t.dtype for t in payload), compressor.payload_dtypes(x.dtype))
+
+    def test_documented_ratios(self):
+        shape, dtype = [1000, 1000], tf.float32
+        dense = 4 * 1000 * 1000
+
+        def ratio(name, **kwargs):
+            return dense / tfdist.compression.get(name, **kwargs).payload_bytes(shape, dtype)
+
+        self.assertEqual(ratio("fp16"), 2.0)
+        self.assertGreaterEqual(ratio("topk", ratio=0.01), 50)
+        self.assertGreaterEqual(ratio("onebit"), 30)
+        self.assertGreaterEqual(ratio("dgc"), 270)
+        self.assertGreaterEqual(ratio("terngrad"), 15)
+
+    @parameterized.parameters(GENERIC_MEMORY)
+    def test_error_feedback_invariant(self, name):
+        compressor = tfdist.compression.get(name, error_feedback=True)
+        x = tf.random.stateless_normal([64, 32], seed=[5, 6])
+        state = compressor.initial_state(x.shape, x.dtype)
+        state["residual"] = tf.random.stateless_normal(x.shape, seed=[7, 8])
+        key = tf.constant([3, 0], tf.int64)
+        payload, new_state = compressor.compress(x, state, key)
+        sent = compressor.decompress(payload, x.shape, x.dtype, key)
+        # sent + new residual == gradient + old residual
+        self.assertAllClose(sent + new_state["residual"], x + state["residual"], atol=1e-5)
+
+    def test_dgc_accumulation_invariant(self):
+        compressor = tfdist.compression.get("dgc", ratio=0.05, momentum=0.9)
+        x = tf.random.stateless_normal([50, 20], seed=[9, 1])
+        state = compressor.initial_state(x.shape, x.dtype)
+        state["velocity"] = tf.random.stateless_normal(x.shape, seed=[2, 2])
+        state["accumulation"] = tf.random.stateless_normal(x.shape, seed=[3, 3])
+        payload, new_state = compressor.compress(x, state)
+        sent = compressor.decompress(payload, x.shape, x.dtype)
+        velocity = 0.9 * state["velocity"] + x
+        self.assertAllClose(sent + new_state["accumulation"], state["accumulation"] + velocity,
+                            atol=1e-5)
+        # Momentum factor masking: the velocity is cleared where a value was sent.
+        self.assertAllEqual(tf.cast(sent != 0, tf.int32) * tf.cast(
+            new_state["velocity"] != 0, tf.int32), tf.zeros_like(x, tf.int32))
+        self.assertEqual(int(tf.math.count_nonzero(sent)), 50)
+
+    def test_dgc_warmup_lowers_density(self):
+        compressor = tfdist.compression.get("dgc", ratio=0.001, warmup_steps=4,
+                                            initial_ratio=0.25)
+        x = tf.random.stateless_normal([100, 100], seed=[1, 1])
+        state = compressor.initial_state(x.shape, x.dtype)
+        sizes = []
+        for _ in range(6):
+            payload, state = compressor.compress(x, state)
+            sizes.append(int(tf.size(payload[0])))
+        self.assertEqual(sizes[0], 2500)
+        self.assertEqual(sizes[4:], [10, 10])
+        self.assertEqual(sizes, sorted(sizes, reverse=True))
+
+    def test_topk_sends_the_largest(self):
+        x = tf.constant([0.1, -5.0, 0.2, 3.0, -0.3, 0.0, 1.0, 0.05, 0.0, 0.0])
+        compressor = tfdist.compression.get("topk", ratio=0.2)
+        payload, state = compressor.compress(x)
+        sent = compressor.decompress(payload, x.shape, x.dtype)
+        self.assertAllClose(sent, [0, -5.0, 0, 3.0, 0, 0, 0, 0, 0, 0])
+        self.assertAllClose(state["residual"], x - sent)
+
+    def test_threshold_sends_plus_minus_tau(self):
+        x = tf.constant([0.5, -0.05, 0.2, -0.3])
+        compressor = tfdist.compression.get("threshold", threshold=0.25)
+        payload, state = compressor.compress(x)
+        self.assertAllEqual(payload[0], [1, -4])
+        self.assertAllClose(compressor.decompress(payload, x.shape, x.dtype),
+                            [0.25, 0, 0, -0.25])
+        self.assertAllClose(state["residual"], [0.25, -0.05, 0.2, -0.05])
+
+    def test_onebit_reconstruction_values(self):
+        x = tf.constant([1.0, 3.0, -2.0, -4.0, 2.0])
+        compressor = tfdist.compression.get("onebit", error_feedback=False)
+        payload, _ = compressor.compress(x)
+        self.assertAllClose(compressor.decompress(payload, x.shape, x.dtype),
+                            [2.0, 2.0, -3.0, -3.0, 2.0])
+
+    @parameterized.parameters(("terngrad",), ("qsgd",))
+    def test_stochastic_quantisers_are_unbiased(self, name):
+        tf.random.set_seed(0)
+        compressor = tfdist.compression.get(name)
+        x = tf.random.stateless_normal([200], seed=[4, 4])
+        mean = tf.add_n([compressor.decompress(compressor.compress(x)[0], x.shape, x.dtype)
+                         for _ in range(400)]) / 400
+        scale = float(tf.reduce_max(tf.abs(x)))
+        self.assertLess(float(tf.reduce_max(tf.abs(mean - x))), 0.2 * scale)
+        self.assertLess(abs(float(tf.reduce_mean(mean - x))), 0.01 * scale)
+
+    @parameterized.parameters(("fp16",), ("randomk",), ("none",))
+    def test_linear_payloads_sum(self, name):
+        compressor = tfdist.compression.get(name, error_feedback=False)
+        self.assertTrue(compressor.linear)
+        key = tf.constant([7, 0], tf.int64)
+        xs = [tf.random.stateless_normal([30, 10], seed=[i, 0]) for i in range(3)]
+        payloads = [compressor.compress(x, None, key)[0] for x in xs]
+        summed = [tf.add_n(list(parts)) for parts in zip(*payloads)]
+        direct = tf.add_n([compressor.decompress(p, [30, 10], tf.float32, key)
+                           for p in payloads])
+        self.assertAllClose(compressor.decompress(summed, [30, 10], tf.float32, key), direct,
+                            atol=1e-2)
+
+    def test_powersgd_recovers_low_rank_exactly(self):
+        a = tf.random.stateless_normal([40, 2], seed=[1, 2])
+        b = tf.random.stateless_normal([25, 2], seed=[3, 4])
+        m = a @ tf.transpose(b)
+        compressor = tfdist.compression.get("powersgd", rank=2)
+        payload, state = compressor.compress(m)
+        self.assertAllClose(compressor.decompress(payload, m.shape, m.dtype), m, atol=1e-4)
+        self.assertAllClose(state["residual"], tf.zeros_like(m), atol=1e-4)
+        self.assertEqual(nbytes(payload), (40 + 25) * 2 * 4)
+
+    def test_powersgd_leaves_vectors_dense(self):
+        compressor = tfdist.compression.get("powersgd")
+        self.assertFalse(compressor.compressible([100], tf.float32))
+        self.assertFalse(compressor.compressible([3, 2], tf.float32))
+        self.assertTrue(compressor.compressible([64, 64], tf.float32))
+
+    def test_bit_packing_round_trips(self):
+        rng = np.random.default_rng(0)
+        for n in (1, 7, 8, 9, 100):
+            bits = rng.random(n) < 0.5
+            self.assertAllEqual(quantize.unpack_bits(quantize.pack_bits(bits), n), bits)
+            codes = rng.integers(0, 4, n)
+            self.assertAllEqual(quantize.unpack_pairs(quantize.pack_pairs(codes), n), codes)
+
+    def test_errors_name_the_argument(self):
+        get = tfdist.compression.get
+        with self.assertRaisesRegex(ValueError, r"Unknown compressor 'gzip'. Valid names: "
+                                                r"\[.*'topk'.*\]"):
+            get("gzip")
+        with self.assertRaisesRegex(ValueError, r"`ratio` must be a number in \(0, 1\]. "
+                                                r"Received: 2"):
+            get("topk", ratio=2)
+        with self.assertRaisesRegex(ValueError, "`levels` must be an integer between 1 and 127"):
+            get("qsgd", levels=300)
+        with self.assertRaisesRegex(ValueError, "`momentum` must be a float in"):
+            get("dgc", momentum=1.5)
+        with self.assertRaisesRegex(ValueError, "`rank` must be a positive integer"):
+            get("powersgd", rank=0)
+        with self.assertRaisesRegex(ValueError, "compressor 'fp16' does not take"):
+            get("fp16", ratio=0.1)
+        with self.assertRaisesRegex(ValueError, "`error_feedback` must be True or False"):
+            get("topk", error_feedback="yes")
+        self.assertIsNone(get(None))
+
+
+if __name__ == "__main__":
+    tf.test.main()

@@ -1,0 +1,258 @@
+"""The Compressor interface, the error-feedback memory, and the communicator they talk to.
+
+Compression is kept apart from communication (Horovod, GRACE): a compressor turns one tensor
+into a *payload* (a tuple of tensors, the bytes that cross between workers) and back; an
+`ErrorFeedback` memory keeps what a lossy compressor left out and adds it to the next
+gradient; a `Communicator` (all-reduce, all-gather; see `tfdist.compression.exchange`, or the
+parameter-server push) moves payloads. A compressor whose payloads can be summed before they
+are decoded (`linear`) is all-reduced; every other payload is all-gathered and each replica's
+part decoded, so that the bytes on the wire really shrink.
+
+Compressors are functional: the state they keep between steps (residual, momentum, warm
+start) is passed in and returned, and the caller keeps it in replica-local variables.
+"""
+
+import abc
+import math
+
+import tensorflow as tf
+
+
+class ErrorFeedback:
+    """Error-feedback memory (Seide et al. 2014; Karimireddy et al. 2019).
+
+    The residual is what was left out of the last payloads. The invariant, checked by the
+    tests, is `sent + new_residual == gradient + old_residual`.
+    """
+
+    def compensate(self, tensor, residual):
+        return tensor + residual
+
+    def update(self, compensated, sent):
+        return compensated - sent
+
+
+class Compressor:
+    """Turns one gradient tensor into a payload and back.
+
+    Subclasses implement `_compress(tensor, state, key) -> (payload, new_state)`,
+    `_decompress(payload, shape, dtype, key) -> tensor`, `payload_dtypes(dtype)` and
+    `payload_bytes(shape, dtype)` (the documented size of one payload). `key` is an int64
+    vector of two that is the same where a payload is made and where it is decoded (the
+    exchange's step counter; on the ps path the push's step and worker rank): compressors
+    that choose elements at random (random-k) derive their choice from it, so that the
+    indices need not travel.
+
+    Attributes:
+      linear: payloads of several replicas can be summed, then decoded once (all-reduce).
+      elementwise: the compressor treats a tensor as a flat vector, so the exchange may fuse
+        all gradients of one dtype into one vector first (global top-k, one collective).
+      lossy: decoding does not give back the input exactly.
+      error_feedback: whether `encode` adds the residual of earlier steps and keeps the new
+        one (default: on for lossy compressors).
+    """
+
+    name = None
+    linear = False
+    elementwise = True
+    lossy = True
+    variable_size = False  # the payload's size follows the data
+    own_memory = False  # the compressor keeps its own residual (DGC's accumulation)
+
+    def __init__(self, error_feedback=None):
+        if error_feedback is None:
+            error_feedback = self.lossy
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"`error_feedback` must be True or False. Received: "
+                             f"{error_feedback!r}")
+        self.error_feedback = error_feedback
+        self.memory = ErrorFeedback()
+
+    # What subclasses implement -----------------------------------------------------------
+
+    def _compress(self, tensor, state, key):
+        del state, key
+        return (tensor,), {}
+
+    def _decompress(self, payload, shape, dtype, key):
+        del key
+        return tf.reshape(tf.cast(payload[0], dtype), shape)
+
+    def payload_dtypes(self, dtype):
+        """The dtypes of a payload's tensors, for a gradient of `dtype`."""
+        return (tf.as_dtype(dtype),)
+
+    def payload_bytes(self, shape, dtype):
+        """The bytes of one payload for a gradient of `shape` and `dtype` (documented size).
+
+        For compressors whose payload size depends on the data this is the upper bound; the
+        telemetry always counts the bytes actually sent.
+        """
+        return _num_elements(shape) * tf.as_dtype(dtype).size
+
+    def state_spec(self, shape, dtype):
+        """Extra state this compressor keeps per tensor: `{name: (shape, dtype)}`, zeros."""
+        del shape, dtype
+        return {}
+
+    def compressible(self, shape, dtype):
+        """Whether tensors of this shape and dtype are compressed (else sent as they are)."""
+        del shape
+        return tf.as_dtype(dtype).is_floating
+
+    # The public protocol -----------------------------------------------------------------
+
+    def initial_state(self, shape, dtype):
+        """The state of one tensor before the first step: zeros of `state_spec`."""
+        if not self.compressible(shape, dtype):
+            return {}
+        spec = dict(self.state_spec(shape, dtype))
+        if self.error_feedback and not self.own_memory:
+            spec["residual"] = (shape, dtype)
+        return {name: tf.zeros(s, d) for name, (s, d) in spec.items()}
+
+    def compress(self, tensor, state=None, key=None):
+        """Returns `(payload, new_state)` for `tensor` (error feedback included)."""
+        tensor = tf.convert_to_tensor(tensor)
+        state = dict(self.initial_state(tensor.shape, tensor.dtype) if state is None else state)
+        if not self.compressible(tensor.shape, tensor.dtype):
+            return (tensor,), state
+        key = _key(key)
+        memory = self.error_feedback and not self.own_memory
+        if memory:
+            tensor = self.memory.compensate(tensor, state["residual"])
+        payload, new_state = self._compress(tensor, state, key)
+        new_state = {**state, **new_state}
+        if memory:
+            sent = self._decompress(payload, tensor.shape, tensor.dtype, key)
+            new_state["residual"] = self.memory.update(tensor, sent)
+        return tuple(payload), new_state
+
+    def decompress(self, payload, shape, dtype, key=None):
+        """The tensor of `shape` and `dtype` that `payload` stands for."""
+        if not self.compressible(shape, dtype):
+            return tf.reshape(payload[0], shape)
+        return self._decompress(tuple(payload), tf.TensorShape(shape), tf.as_dtype(dtype),
+                                _key(key))
+
+    def exchange(self, tensors, states, communicator, key):
+        """Sums `tensors` over every replica of the job through `communicator`.
+
+        Args:
+          tensors: one list per unit (a gradient or a fused vector) of this process's
+            replicas' tensors, `tensors[unit][replica]`.
+          states: the states of the same units and replicas.
+          communicator: moves payloads (`all_reduce`, `all_gather`).
+          key: the step key, the same on every replica.
+
+        Returns:
+          `(sums, new_states, sent_bytes)`: `sums[unit][replica]` the sum over all replicas,
+          the new states, and the bytes one replica sent (a scalar tensor).
+        """
+        payloads = [[None] * len(unit) for unit in tensors]
+        new_states = [[None] * len(unit) for unit in tensors]
+        devices = communicator.devices
+        for u, unit in enumerate(tensors):
+            for r, tensor in enumerate(unit):
+                with tf.device(devices[r]):
+                    payloads[u][r], new_states[u][r] = self.compress(tensor, states[u][r], key)
+        sent = sum_payload_bytes([p[0] for p in payloads])
+        sums = [[None] * len(unit) for unit in tensors]
+        if self.linear:
+            # Payload tensors of all units in one all-reduce call.
+            flat = [[t for unit in payloads for t in unit[r]] for r in range(len(devices))]
+            reduced = communicator.all_reduce(flat)
+            for r in range(len(devices)):
+                at = 0
+                for u, unit in enumerate(tensors):
+                    n = len(payloads[u][r])
+                    with tf.device(devices[r]):
+                        sums[u][r] = self.decompress(reduced[r][at:at + n], unit[r].shape,
+                                                     unit[r].dtype, key)
+                    at += n
+        else:
+            flat = [[t for unit in payloads for t in unit[r]] for r in range(len(devices))]
+            gathered = communicator.all_gather(flat)  # [local replica][global replica][tensor]
+            for r in range(len(devices)):
+                at = 0
+                for u, unit in enumerate(tensors):
+                    n = len(payloads[u][r])
+                    with tf.device(devices[r]):
+                        parts = [self.decompress(g[at:at + n], unit[r].shape, unit[r].dtype,
+                                                 key) for g in gathered[r]]
+                        sums[u][r] = tf.add_n(parts)
+                    at += n
+        return sums, new_states, sent
+
+    # Configuration -----------------------------------------------------------------------
+
+    def get_config(self):
+        return {"error_feedback": self.error_feedback}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items())
+        return f"{type(self).__name__}({args})"
+
+
+class Communicator(abc.ABC):
+    """Moves payloads between the replicas of a job (TF collectives or cross-device copies).
+
+    `devices` are this process's replica devices; `num_replicas` counts every replica of
+    the job. Both methods take one list of tensors per local replica.
+    """
+
+    devices = ()
+    num_replicas = 1
+
+    @abc.abstractmethod
+    def all_reduce(self, tensors):
+        """Returns, per local replica, the element-wise sums over all replicas."""
+
+    @abc.abstractmethod
+    def all_gather(self, tensors):
+        """Returns, per local replica, every replica's list of tensors (global order).
+
+        The tensors' first dimension may differ between replicas.
+        """
+
+
+def sum_payload_bytes(payloads):
+    """The bytes in a list of payloads (a scalar int64 tensor, counted at run time)."""
+    total = tf.constant(0, tf.int64)
+    for payload in payloads:
+        for t in payload:
+            total += tf.size(t, out_type=tf.int64) * t.dtype.size
+    return total
+
+
+def _num_elements(shape):
+    return int(math.prod(tf.TensorShape(shape).as_list()))
+
+
+def _key(key):
+    if key is None:
+        return tf.zeros([2], tf.int64)
+    return tf.cast(tf.reshape(key, [2]), tf.int64)
+
+
+def check_fraction(name, value, low_open=True):
+    """Raises unless `0 < value <= 1` (names the argument)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 < value <= 1 if low_open else 0 <= value <= 1):
+        raise ValueError(f"`{name}` must be a number in (0, 1]. Received: {value!r}")
+    return float(value)
+
+
+def check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive integer. Received: {value!r}")
+    return value
+
+
+def num_selected(size, ratio):
+    """How many of `size` elements a sparsifier with `ratio` sends: max(1, floor(ratio*size))."""
+    return max(1, int(math.floor(ratio * size)))

@@ -1,0 +1,157 @@
+"""PowerSGD (Vogels et al. 2019): rank-r approximation by one step of power iteration.
+
+A gradient matrix M (n x m; a tensor of rank > 2 is seen as prod(shape[:-1]) x shape[-1]) is
+sent as two small factors in two all-reduce rounds:
+
+    P = M Q            all-reduce P, orthonormalise it (P^)
+    Q = M^T P^         all-reduce Q;   sum of the replicas' M ~ P^ Q^T
+
+Q is kept for the next step (warm start), and with error feedback each replica keeps
+M - P^ Q_own^T. Tensors where the factors would not be at least `min_compression_rate` times
+smaller than the tensor (vectors, small matrices) are all-reduced as they are, as in
+PyTorch's `powerSGD_hook`.
+
+Payload per compressed matrix: (n + m) r float32 values (two rounds). PowerSGD needs both
+rounds between all replicas, so it runs on the all-reduce strategies, not on the
+parameter-server push.
+"""
+
+import tensorflow as tf
+
+from tfdist.compression.base import Compressor
+from tfdist.compression.base import check_positive_int
+from tfdist.compression.base import sum_payload_bytes
+
+
+def matrix_shape(shape):
+    dims = tf.TensorShape(shape).as_list()
+    rows = 1
+    for d in dims[:-1]:
+        rows *= d
+    return rows, dims[-1]
+
+
+class PowerSGDCompressor(Compressor):
+    """Low-rank gradient compression with warm start and error feedback.
+
+    Args:
+      rank: r, the rank of the approximation (PyTorch's `matrix_approximation_rank`).
+      min_compression_rate: compress a matrix only if n m >= rate (n + m) r.
+      seed: seed of the initial Q (the same on every replica and worker).
+      error_feedback: keep M - P^ Q^T for the next step (default on).
+    """
+
+    name = "powersgd"
+    linear = True
+    elementwise = False
+
+    def __init__(self, rank=1, min_compression_rate=2.0, seed=0, error_feedback=True):
+        super().__init__(error_feedback=error_feedback)
+        self.rank = check_positive_int("rank", rank)
+        if isinstance(min_compression_rate, bool) or not isinstance(
+                min_compression_rate, (int, float)) or min_compression_rate < 1:
+            raise ValueError(f"`min_compression_rate` must be a number >= 1 (a tensor is "
+                             f"compressed only if the factors are that much smaller). "
+                             f"Received: {min_compression_rate!r}")
+        self.min_compression_rate = float(min_compression_rate)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"`seed` must be an integer. Received: {seed!r}")
+        self.seed = seed
+
+    def compressible(self, shape, dtype):
+        shape = tf.TensorShape(shape)
+        if not tf.as_dtype(dtype).is_floating or shape.rank is None or shape.rank < 2:
+            return False
+        rows, cols = matrix_shape(shape)
+        return rows * cols >= self.min_compression_rate * (rows + cols) * self.rank
+
+    def state_spec(self, shape, dtype):
+        _, cols = matrix_shape(shape)
+        return {"q": ([cols, self.rank], tf.float32)}
+
+    def initial_state(self, shape, dtype):
+        state = super().initial_state(shape, dtype)
+        if "q" in state:
+            rows, cols = matrix_shape(shape)
+            state["q"] = tf.random.stateless_normal([cols, self.rank],
+                                                    seed=[self.seed, rows * 7919 + cols])
+        return state
+
+    def payload_bytes(self, shape, dtype):
+        if not self.compressible(shape, dtype):
+            return super().payload_bytes(shape, dtype)
+        rows, cols = matrix_shape(shape)
+        return (rows + cols) * self.rank * 4
+
+    # Single-process form (one replica): the same arithmetic with no exchange.
+
+    def _compress(self, tensor, state, key):
+        del key
+        matrix = tf.reshape(tf.cast(tensor, tf.float32), matrix_shape(tensor.shape))
+        p = orthonormalize(matrix @ state["q"])
+        q = tf.transpose(matrix) @ p
+        return (p, q), {"q": q}
+
+    def _decompress(self, payload, shape, dtype, key):
+        del key
+        p, q = payload
+        return tf.reshape(tf.cast(p @ tf.transpose(q), dtype), shape)
+
+    def payload_dtypes(self, dtype):
+        return (tf.float32, tf.float32)
+
+    # The two-round exchange.
+
+    def exchange(self, tensors, states, communicator, key):
+        del key
+        devices = communicator.devices
+        replicas = range(len(devices))
+        matrices, compensated = [], []
+        for u, unit in enumerate(tensors):
+            matrices.append([]), compensated.append([])
+            for r in replicas:
+                with tf.device(devices[r]):
+                    x = tf.convert_to_tensor(unit[r])
+                    if self.error_feedback:
+                        x = self.memory.compensate(x, states[u][r]["residual"])
+                    compensated[u].append(x)
+                    matrices[u].append(tf.reshape(tf.cast(x, tf.float32),
+                                                  matrix_shape(x.shape)))
+        ps = [[matrices[u][r] @ states[u][r]["q"] for u in range(len(tensors))]
+              for r in replicas]
+        p_sums = communicator.all_reduce(ps)
+        p_hats = [[None] * len(tensors) for _ in replicas]
+        qs = [[None] * len(tensors) for _ in replicas]
+        for r in replicas:
+            with tf.device(devices[r]):
+                for u in range(len(tensors)):
+                    p_hats[r][u] = orthonormalize(p_sums[r][u])
+                    qs[r][u] = tf.transpose(matrices[u][r]) @ p_hats[r][u]
+        q_sums = communicator.all_reduce(qs)
+        sums = [[None] * len(unit) for unit in tensors]
+        new_states = [[None] * len(unit) for unit in tensors]
+        for u, unit in enumerate(tensors):
+            for r in replicas:
+                with tf.device(devices[r]):
+                    shape, dtype = unit[r].shape, unit[r].dtype
+                    total = p_hats[r][u] @ tf.transpose(q_sums[r][u])
+                    sums[u][r] = tf.reshape(tf.cast(total, dtype), shape)
+                    new_state = dict(states[u][r])
+                    new_state["q"] = q_sums[r][u]
+                    if self.error_feedback:
+                        own = tf.reshape(tf.cast(p_hats[r][u] @ tf.transpose(qs[r][u]), dtype),
+                                         shape)
+                        new_state["residual"] = self.memory.update(compensated[u][r], own)
+                    new_states[u][r] = new_state
+        sent = sum_payload_bytes([ps[0], qs[0]])
+        return sums, new_states, sent
+
+    def get_config(self):
+        return {"rank": self.rank, "min_compression_rate": self.min_compression_rate,
+                "seed": self.seed, **super().get_config()}
+
+
+def orthonormalize(matrix):
+    """An orthonormal basis of the columns of `matrix` (thin QR; zero columns stay finite)."""
+    q, _ = tf.linalg.qr(matrix)
+    return q

@@ -1,0 +1,237 @@
+"""Compressors that keep every element at fewer bits: casts, sign and stochastic quantisers.
+
+Payload sizes are for a gradient of n elements (b bytes each):
+
+| name | payload | bytes | linear |
+|---|---|---|---|
+| `none` | the gradient | n b | yes |
+| `fp16` | float16 cast | 2 n | yes |
+| `bf16` | bfloat16 cast | 2 n | yes |
+| `onebit` | sign bits + mean of the positive and of the negative entries | ceil(n/8) + 8 | no |
+| `signsgd` | sign bits + mean absolute value | ceil(n/8) + 4 | no |
+| `terngrad` | 2-bit ternary codes + max absolute value | ceil(n/4) + 4 | no |
+| `qsgd` | int8 signed levels + L2 norm | n + 4 | no |
+"""
+
+import math
+
+import tensorflow as tf
+
+from tfdist.compression.base import Compressor
+
+_BIT_WEIGHTS = tf.constant([128, 64, 32, 16, 8, 4, 2, 1], tf.int32)
+_BIT_SHIFTS = tf.constant([7, 6, 5, 4, 3, 2, 1, 0], tf.uint8)
+_PAIR_WEIGHTS = tf.constant([64, 16, 4, 1], tf.int32)
+_PAIR_SHIFTS = tf.constant([6, 4, 2, 0], tf.uint8)
+
+
+def pack_bits(bits):
+    """Packs a boolean vector into uint8, eight per byte (most significant first)."""
+    bits = tf.cast(tf.reshape(bits, [-1]), tf.int32)
+    n = tf.size(bits)
+    bits = tf.pad(bits, [[0, (8 - n % 8) % 8]])
+    return tf.cast(tf.reduce_sum(tf.reshape(bits, [-1, 8]) * _BIT_WEIGHTS, axis=1), tf.uint8)
+
+
+def unpack_bits(packed, size):
+    """The first `size` booleans of a `pack_bits` vector."""
+    bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(packed[:, None], _BIT_SHIFTS), 1)
+    return tf.cast(tf.reshape(bits, [-1])[:size], tf.bool)
+
+
+def pack_pairs(codes):
+    """Packs a vector of 2-bit codes (ints 0..3) into uint8, four per byte."""
+    codes = tf.cast(tf.reshape(codes, [-1]), tf.int32)
+    n = tf.size(codes)
+    codes = tf.pad(codes, [[0, (4 - n % 4) % 4]])
+    return tf.cast(tf.reduce_sum(tf.reshape(codes, [-1, 4]) * _PAIR_WEIGHTS, axis=1), tf.uint8)
+
+
+def unpack_pairs(packed, size):
+    codes = tf.bitwise.bitwise_and(tf.bitwise.right_shift(packed[:, None], _PAIR_SHIFTS), 3)
+    return tf.cast(tf.reshape(codes, [-1])[:size], tf.int32)
+
+
+def _size(shape):
+    return int(math.prod(shape.as_list()))
+
+
+class NoCompression(Compressor):
+    """Sends the gradient as it is (the reference for every ratio)."""
+
+    name = "none"
+    linear = True
+    lossy = False
+
+
+class FP16Compressor(Compressor):
+    """Casts to float16 for the exchange and back (Horovod's `Compression.fp16`).
+
+    Linear: the float16 payloads are all-reduced. Payload: 2 bytes per element.
+    """
+
+    name = "fp16"
+    linear = True
+    wire_dtype = tf.float16
+
+    def __init__(self, error_feedback=False):
+        super().__init__(error_feedback=error_feedback)
+
+    def _compress(self, tensor, state, key):
+        del state, key
+        if tensor.dtype == self.wire_dtype:
+            return (tensor,), {}
+        return (tf.cast(tensor, self.wire_dtype),), {}
+
+    def payload_dtypes(self, dtype):
+        return (self.wire_dtype,)
+
+    def payload_bytes(self, shape, dtype):
+        return _size(tf.TensorShape(shape)) * self.wire_dtype.size
+
+    def compressible(self, shape, dtype):
+        dtype = tf.as_dtype(dtype)
+        return dtype.is_floating and dtype.size > self.wire_dtype.size
+
+
+class BF16Compressor(FP16Compressor):
+    """Casts to bfloat16 (float32's exponent range, 8 bits of mantissa). 2 bytes per element."""
+
+    name = "bf16"
+    wire_dtype = tf.bfloat16
+
+
+class OneBitCompressor(Compressor):
+    """1-bit quantisation with error feedback (Seide et al. 2014).
+
+    Each element is sent as its sign; a positive one decodes to the mean of the positive
+    entries, a negative one to the mean of the negative entries (the two reconstruction
+    values of the paper). Payload: ceil(n/8) bytes of bits + 8 bytes.
+    """
+
+    name = "onebit"
+
+    def _compress(self, tensor, state, key):
+        del state, key
+        flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
+        positive = flat >= 0
+        pos = tf.cast(positive, tf.float32)
+        pos_mean = tf.math.divide_no_nan(tf.reduce_sum(flat * pos), tf.reduce_sum(pos))
+        neg_mean = tf.math.divide_no_nan(tf.reduce_sum(flat * (1 - pos)),
+                                         tf.reduce_sum(1 - pos))
+        return (pack_bits(positive), tf.stack([pos_mean, neg_mean])), {}
+
+    def _decompress(self, payload, shape, dtype, key):
+        del key
+        bits, means = payload
+        flat = tf.where(unpack_bits(bits, _size(shape)), means[0], means[1])
+        return tf.reshape(tf.cast(flat, dtype), shape)
+
+    def payload_dtypes(self, dtype):
+        return (tf.uint8, tf.float32)
+
+    def payload_bytes(self, shape, dtype):
+        return math.ceil(_size(tf.TensorShape(shape)) / 8) + 8
+
+
+class SignSGDCompressor(Compressor):
+    """Scaled sign (EF-SignSGD, Karimireddy et al. 2019): sign(x) * mean|x|.
+
+    Payload: ceil(n/8) bytes of bits + 4 bytes of scale.
+    """
+
+    name = "signsgd"
+
+    def _compress(self, tensor, state, key):
+        del state, key
+        flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
+        return (pack_bits(flat >= 0), tf.reduce_mean(tf.abs(flat))[None]), {}
+
+    def _decompress(self, payload, shape, dtype, key):
+        del key
+        bits, scale = payload
+        flat = tf.where(unpack_bits(bits, _size(shape)), scale[0], -scale[0])
+        return tf.reshape(tf.cast(flat, dtype), shape)
+
+    def payload_dtypes(self, dtype):
+        return (tf.uint8, tf.float32)
+
+    def payload_bytes(self, shape, dtype):
+        return math.ceil(_size(tf.TensorShape(shape)) / 8) + 4
+
+
+class TernGradCompressor(Compressor):
+    """TernGrad (Wen et al. 2017): s * t with t in {-1, 0, 1}, s = max|x|, unbiased.
+
+    t_i = sign(x_i) with probability |x_i| / s, else 0. Unbiased, so error feedback is off by
+    default. Payload: ceil(n/4) bytes of 2-bit codes + 4 bytes of scale.
+    """
+
+    name = "terngrad"
+
+    def __init__(self, error_feedback=False):
+        super().__init__(error_feedback=error_feedback)
+
+    def _compress(self, tensor, state, key):
+        del state, key
+        flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
+        scale = tf.reduce_max(tf.abs(flat))
+        keep = tf.random.uniform(tf.shape(flat)) < tf.math.divide_no_nan(tf.abs(flat), scale)
+        ternary = tf.where(keep, tf.sign(flat), 0.0)
+        return (pack_pairs(tf.cast(ternary, tf.int32) + 1), scale[None]), {}
+
+    def _decompress(self, payload, shape, dtype, key):
+        del key
+        codes, scale = payload
+        flat = tf.cast(unpack_pairs(codes, _size(shape)) - 1, tf.float32) * scale[0]
+        return tf.reshape(tf.cast(flat, dtype), shape)
+
+    def payload_dtypes(self, dtype):
+        return (tf.uint8, tf.float32)
+
+    def payload_bytes(self, shape, dtype):
+        return math.ceil(_size(tf.TensorShape(shape)) / 4) + 4
+
+
+class QSGDCompressor(Compressor):
+    """QSGD (Alistarh et al. 2017): ||x|| * sign(x) * l / s, l stochastic in 0..s, unbiased.
+
+    Args:
+      levels: s, the number of quantisation levels per sign, 1..127 (int8 codes).
+      error_feedback: off by default (QSGD is unbiased).
+
+    Payload: n bytes of int8 codes + 4 bytes of norm.
+    """
+
+    name = "qsgd"
+
+    def __init__(self, levels=127, error_feedback=False):
+        if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
+            raise ValueError(f"`levels` must be an integer between 1 and 127 (int8 codes). "
+                             f"Received: {levels!r}")
+        super().__init__(error_feedback=error_feedback)
+        self.levels = levels
+
+    def _compress(self, tensor, state, key):
+        del state, key
+        flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
+        norm = tf.norm(flat)
+        scaled = tf.math.divide_no_nan(tf.abs(flat), norm) * self.levels
+        level = tf.floor(scaled + tf.random.uniform(tf.shape(flat)))
+        codes = tf.cast(tf.sign(flat) * tf.minimum(level, self.levels), tf.int8)
+        return (codes, norm[None]), {}
+
+    def _decompress(self, payload, shape, dtype, key):
+        del key
+        codes, norm = payload
+        flat = tf.cast(codes, tf.float32) * (norm[0] / self.levels)
+        return tf.reshape(tf.cast(flat, dtype), shape)
+
+    def payload_dtypes(self, dtype):
+        return (tf.int8, tf.float32)
+
+    def payload_bytes(self, shape, dtype):
+        return _size(tf.TensorShape(shape)) + 4
+
+    def get_config(self):
+        return {"levels": self.levels, **super().get_config()}

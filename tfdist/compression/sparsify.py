@@ -1,0 +1,251 @@
+"""Compressors that send a few elements: top-k, random-k, threshold (Strom 2015) and DGC.
+
+Payload sizes for a gradient of n elements of b bytes, k = max(1, floor(ratio * n)):
+
+| name | payload | bytes | linear |
+|---|---|---|---|
+| `topk` | the k largest |x| values + int32 indices | k (b + 4) | no |
+| `randomk` | k values at indices drawn from the shared step key (no indices sent) | k b | yes |
+| `threshold` | int32 (index + 1) * sign of the m elements with |x| >= tau | 4 m (varies) | no |
+| `dgc` | like top-k, of the momentum-corrected accumulation | k (b + 4) | no |
+"""
+
+import tensorflow as tf
+
+from tfdist.compression.base import Compressor
+from tfdist.compression.base import check_fraction
+from tfdist.compression.base import num_selected
+
+
+def _flat(tensor):
+    return tf.reshape(tensor, [-1])
+
+
+def _num_elements(shape):
+    return tf.TensorShape(shape).num_elements()
+
+
+class TopKCompressor(Compressor):
+    """Top-k sparsification (Aji & Heafield 2017; Stich et al. 2018) with error feedback.
+
+    Args:
+      ratio: fraction of the elements sent, in (0, 1].
+      error_feedback: keep what was not sent and add it to the next gradient (default on).
+
+    Payload: k values + k int32 indices, k = max(1, floor(ratio * n)).
+    """
+
+    name = "topk"
+
+    def __init__(self, ratio=0.01, error_feedback=True):
+        super().__init__(error_feedback=error_feedback)
+        self.ratio = check_fraction("ratio", ratio)
+
+    def _select(self, flat, state, key):
+        del state, key
+        k = num_selected(flat.shape.num_elements(), self.ratio)
+        _, indices = tf.math.top_k(tf.abs(flat), k=k, sorted=False)
+        return indices
+
+    def _compress(self, tensor, state, key):
+        flat = _flat(tensor)
+        indices = self._select(flat, state, key)
+        return (tf.gather(flat, indices), indices), {}
+
+    def _decompress(self, payload, shape, dtype, key):
+        del key
+        values, indices = payload
+        flat = tf.scatter_nd(indices[:, None], tf.cast(values, dtype), [_num_elements(shape)])
+        return tf.reshape(flat, shape)
+
+    def payload_dtypes(self, dtype):
+        return (tf.as_dtype(dtype), tf.int32)
+
+    def payload_bytes(self, shape, dtype):
+        k = num_selected(_num_elements(shape), self.ratio)
+        return k * (tf.as_dtype(dtype).size + 4)
+
+    def get_config(self):
+        return {"ratio": self.ratio, **super().get_config()}
+
+
+class RandomKCompressor(Compressor):
+    """Random-k sparsification (Stich et al. 2018) with error feedback.
+
+    The k indices are drawn from the step key, the same on every replica, so the values are
+    all-reduced and no index crosses the wire. Args as `TopKCompressor`, plus `seed`.
+
+    Payload: k values, k = max(1, floor(ratio * n)).
+    """
+
+    name = "randomk"
+    linear = True
+
+    def __init__(self, ratio=0.01, seed=0, error_feedback=True):
+        super().__init__(error_feedback=error_feedback)
+        self.ratio = check_fraction("ratio", ratio)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"`seed` must be an integer. Received: {seed!r}")
+        self.seed = seed
+
+    def _indices(self, size, key):
+        k = num_selected(size, self.ratio)
+        seed = key + tf.constant([self.seed, size], tf.int64)
+        _, indices = tf.math.top_k(tf.random.stateless_uniform([size], seed=seed), k=k)
+        return indices
+
+    def _compress(self, tensor, state, key):
+        del state
+        flat = _flat(tensor)
+        return (tf.gather(flat, self._indices(flat.shape.num_elements(), key)),), {}
+
+    def _decompress(self, payload, shape, dtype, key):
+        size = _num_elements(shape)
+        indices = self._indices(size, key)
+        flat = tf.scatter_nd(indices[:, None], tf.cast(payload[0], dtype), [size])
+        return tf.reshape(flat, shape)
+
+    def payload_bytes(self, shape, dtype):
+        return num_selected(_num_elements(shape), self.ratio) * tf.as_dtype(dtype).size
+
+    def get_config(self):
+        return {"ratio": self.ratio, "seed": self.seed, **super().get_config()}
+
+
+class ThresholdCompressor(Compressor):
+    """Threshold quantisation with residual (Strom 2015).
+
+    Adds the residual to the gradient; every element whose magnitude reaches `threshold` is
+    sent as +tau or -tau, and tau is taken off its residual; the rest waits in the residual.
+    The payload is one int32 per sent element, (index + 1) * sign, so its size follows the
+    data: 4 m bytes for m sent elements (at most 4 n).
+
+    Args:
+      threshold: tau > 0, in gradient units.
+      error_feedback: keep the residual (Strom's scheme; default on).
+    """
+
+    name = "threshold"
+    variable_size = True
+
+    def __init__(self, threshold=0.01, error_feedback=True):
+        super().__init__(error_feedback=error_feedback)
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
+                threshold > 0):
+            raise ValueError(f"`threshold` must be a positive number. Received: {threshold!r}")
+        self.threshold = float(threshold)
+
+    def _compress(self, tensor, state, key):
+        del state, key
+        flat = _flat(tensor)
+        indices = tf.cast(tf.where(tf.abs(flat) >= self.threshold)[:, 0], tf.int32)
+        signs = tf.cast(tf.sign(tf.gather(flat, indices)), tf.int32)
+        return ((indices + 1) * signs,), {}
+
+    def _decompress(self, payload, shape, dtype, key):
+        del key
+        codes = payload[0]
+        values = tf.cast(tf.sign(codes), dtype) * tf.cast(self.threshold, dtype)
+        flat = tf.scatter_nd(tf.abs(codes)[:, None] - 1, values, [_num_elements(shape)])
+        return tf.reshape(flat, shape)
+
+    def payload_dtypes(self, dtype):
+        return (tf.int32,)
+
+    def payload_bytes(self, shape, dtype):
+        return 4 * _num_elements(shape)
+
+    def get_config(self):
+        return {"threshold": self.threshold, **super().get_config()}
+
+
+class DGCCompressor(TopKCompressor):
+    """Deep Gradient Compression (Lin et al. 2018).
+
+    Top-k of a momentum-corrected accumulation: u <- m u + g, v <- v + u, send the k largest
+    |v|, then clear v and u where sent (momentum factor masking). With momentum done here,
+    train with plain SGD. Optional local gradient clipping (the paper clips each worker's
+    gradient at `clip_norm`, i.e. the global threshold times N^-1/2) and a warm-up in which
+    the density falls exponentially from `initial_ratio` to `ratio` over `warmup_steps`.
+
+    Args:
+      ratio: final fraction of elements sent (default 0.001, the paper's 99.9 % sparsity).
+      momentum: m in [0, 1).
+      clip_norm: clip each gradient's L2 norm to this before accumulating (None: off).
+      warmup_steps: steps of the density warm-up (0: `ratio` from the start).
+      initial_ratio: density at step 0 of the warm-up.
+      error_feedback: keep the accumulation v between steps (DGC's own residual).
+
+    Payload: k values + k int32 indices (k from the current density; variable during the
+    warm-up).
+    """
+
+    name = "dgc"
+    own_memory = True
+
+    def __init__(self, ratio=0.001, momentum=0.9, clip_norm=None, warmup_steps=0,
+                 initial_ratio=0.25, error_feedback=True):
+        super().__init__(ratio=ratio, error_feedback=error_feedback)
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not (
+                0 <= momentum < 1):
+            raise ValueError(f"`momentum` must be a float in [0, 1). Received: {momentum!r}")
+        if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(
+                clip_norm, (int, float)) or clip_norm <= 0):
+            raise ValueError(f"`clip_norm` must be None or a positive number. Received: "
+                             f"{clip_norm!r}")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or (
+                warmup_steps < 0):
+            raise ValueError(f"`warmup_steps` must be a non-negative integer. Received: "
+                             f"{warmup_steps!r}")
+        self.momentum = float(momentum)
+        self.clip_norm = None if clip_norm is None else float(clip_norm)
+        self.warmup_steps = warmup_steps
+        self.initial_ratio = check_fraction("initial_ratio", initial_ratio)
+        self.variable_size = warmup_steps > 0
+
+    def state_spec(self, shape, dtype):
+        return {"velocity": (shape, dtype), "accumulation": (shape, dtype),
+                "step": ([], tf.int64)}
+
+    def _density(self, step):
+        if self.warmup_steps == 0:
+            return tf.constant(self.ratio, tf.float64)
+        progress = tf.minimum(tf.cast(step, tf.float64) / self.warmup_steps, 1.0)
+        return self.initial_ratio * (self.ratio / self.initial_ratio) ** progress
+
+    def _compress(self, tensor, state, key):
+        del key
+        flat = _flat(tensor)
+        size = flat.shape.num_elements()
+        if self.clip_norm is not None:
+            flat = tf.clip_by_norm(flat, self.clip_norm)
+        velocity = self.momentum * _flat(state["velocity"]) + flat
+        accumulation = velocity
+        if self.error_feedback:
+            accumulation = _flat(state["accumulation"]) + velocity
+        if self.warmup_steps == 0:
+            k = num_selected(size, self.ratio)
+        else:
+            k = tf.maximum(1, tf.cast(tf.floor(self._density(state["step"]) * size), tf.int32))
+        _, indices = tf.math.top_k(tf.abs(accumulation), k=k, sorted=False)
+        keep = tf.tensor_scatter_nd_update(tf.ones([size], flat.dtype), indices[:, None],
+                                           tf.zeros(tf.shape(indices), flat.dtype))
+        shape = tensor.shape
+        new_state = {
+            "velocity": tf.reshape(velocity * keep, shape),
+            "accumulation": tf.reshape(accumulation * keep, shape),
+            "step": state["step"] + 1,
+        }
+        return (tf.gather(accumulation, indices), indices), new_state
+
+    def payload_bytes(self, shape, dtype):
+        if self.warmup_steps:
+            k = num_selected(_num_elements(shape), max(self.ratio, self.initial_ratio))
+            return k * (tf.as_dtype(dtype).size + 4)
+        return super().payload_bytes(shape, dtype)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(momentum=self.momentum, clip_norm=self.clip_norm,
+                      warmup_steps=self.warmup_steps, initial_ratio=self.initial_ratio)
+        return config
