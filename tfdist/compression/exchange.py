@@ -1,0 +1,250 @@
+"""Runs a compressor inside a strategy's gradient all-reduce.
+
+`GradientExchange.all_reduce` takes what Keras's optimizer hands the strategy (every
+gradient, one tensor per local replica), fuses the gradients an elementwise compressor can
+take into one vector per dtype (as Horovod's fusion buffer and PyTorch DDP's buckets do:
+one collective per step, and top-k over the whole model), compresses each replica's part with
+its own state (residuals and the like live in replica-local variables), exchanges the payloads
+through a `Communicator`, and returns the decoded sums. Gradients the compressor does not
+take (integers; for PowerSGD, vectors) are all-reduced as they are.
+
+`StrategyCommunicator` is the communicator over TF's own cross-device machinery: all-reduce
+through the strategy's uncompressed batch reduce (collective ops across workers), all-gather
+through `Strategy.gather`. An all-gather carries all of a replica's payload tensors as one
+int32 vector (bit-cast; collectives gather no 8- or 16-bit integers), so a step costs one
+all-gather, plus one for the sizes when they follow the data.
+"""
+
+import tensorflow as tf
+
+from tfdist import _tf_compat
+from tfdist.compression.base import Communicator
+
+_WIRE = tf.int32
+
+
+def _to_wire(tensor):
+    """`tensor` flattened and bit-cast to int32 words (zero padded)."""
+    flat = tf.reshape(tensor, [-1])
+    size = tensor.dtype.size
+    if tensor.dtype == _WIRE:
+        return flat
+    if size == 4:
+        return tf.bitcast(flat, _WIRE)
+    if size == 8:
+        return tf.reshape(tf.bitcast(flat, _WIRE), [-1])
+    per_word = 4 // size
+    pad = (per_word - tf.size(flat) % per_word) % per_word
+    flat = tf.pad(flat, [[0, pad]])
+    return tf.bitcast(tf.reshape(flat, [-1, per_word]), _WIRE)
+
+
+def _from_wire(words, dtype, num_elements):
+    dtype = tf.as_dtype(dtype)
+    if dtype == _WIRE:
+        return words[:num_elements]
+    if dtype.size == 4:
+        return tf.bitcast(words, dtype)[:num_elements]
+    return tf.reshape(tf.bitcast(words, dtype), [-1])[:num_elements]
+
+
+def _num_words(num_elements, dtype):
+    return (num_elements * tf.as_dtype(dtype).size + 3) // 4
+
+
+class StrategyCommunicator(Communicator):
+    """All-reduce and all-gather over a TF strategy, called in cross-replica context.
+
+    Args:
+      strategy: the container strategy.
+      batch_reduce: the strategy's uncompressed `_batch_reduce_to`.
+      options: the collective options of the call being served.
+    """
+
+    def __init__(self, strategy, batch_reduce, options=None):
+        self.strategy = strategy
+        self.devices = tuple(strategy.extended.worker_devices)
+        self.num_replicas = strategy.num_replicas_in_sync
+        self._batch_reduce = batch_reduce
+        self._options = options
+
+    def _per_replica(self, tensors):
+        return _tf_compat.PerReplica(tuple(tensors))
+
+    def all_reduce(self, tensors):
+        # One batch per dtype: TF's collective all-reduce packs a batch into one buffer.
+        count = len(tensors[0])
+        by_dtype = {}
+        for j in range(count):
+            by_dtype.setdefault(tensors[0][j].dtype, []).append(j)
+        results = [[None] * count for _ in self.devices]
+        for indices in by_dtype.values():
+            pairs = []
+            for j in indices:
+                value = self._per_replica([t[j] for t in tensors])
+                pairs.append((value, value))
+            reduced = self._batch_reduce(tf.distribute.ReduceOp.SUM, pairs, self._options)
+            for j, value in zip(indices, reduced):
+                for r, component in enumerate(self.strategy.experimental_local_results(value)):
+                    results[r][j] = component
+        return results
+
+    def all_gather(self, tensors):
+        local = len(self.devices)
+        count = len(tensors[0])
+        static = all(t.shape.is_fully_defined() for t in tensors[0])
+        wires, sizes = [], []
+        for r in range(local):
+            with tf.device(self.devices[r]):
+                wires.append(tf.concat([_to_wire(t) for t in tensors[r]], axis=0))
+                sizes.append(tf.stack([tf.size(t) for t in tensors[r]]))
+        gathered = self.strategy.gather(self._per_replica(wires), axis=0)
+        dtypes = [t.dtype for t in tensors[0]]
+        if static:
+            elements = [[t.shape.num_elements() for t in tensors[0]]] * self.num_replicas
+            words = [[_num_words(n, d) for n, d in zip(row, dtypes)] for row in elements]
+        else:
+            all_sizes = tf.reshape(self.strategy.gather(self._per_replica(sizes), axis=0),
+                                   [self.num_replicas, count])
+            elements = [tf.unstack(row) for row in tf.unstack(all_sizes)]
+            words = [[(n * tf.as_dtype(d).size + 3) // 4 for n, d in zip(row, dtypes)]
+                     for row in elements]
+        totals = [sum(row) for row in words] if static else tf.stack(
+            [tf.add_n(row) for row in words])
+        results = []
+        for r in range(local):
+            with tf.device(self.devices[r]):
+                per_replica = tf.split(gathered, totals, num=self.num_replicas)
+                replicas = []
+                for part, w_row, e_row in zip(per_replica, words, elements):
+                    splits = w_row if static else tf.stack(w_row)
+                    pieces = tf.split(part, splits, num=count)
+                    replica = []
+                    for piece, n, like in zip(pieces, e_row, tensors[r]):
+                        value = _from_wire(piece, like.dtype, n)
+                        if like.shape.is_fully_defined():
+                            value = tf.reshape(value, like.shape)
+                        replica.append(value)
+                    replicas.append(replica)
+                results.append(replicas)
+        return results
+
+
+class GradientExchange:
+    """A compressor's state and statistics for one strategy's gradient all-reduce.
+
+    Args:
+      compressor: a `tfdist.compression.Compressor`.
+      strategy: the container strategy (replica-local state variables are made under it).
+    """
+
+    def __init__(self, compressor, strategy):
+        self.compressor = compressor
+        self._strategy = strategy
+        self._variables = {}
+        self._step = None
+
+    def _state_variables(self, key, make_initial):
+        """Replica-local variables for `make_initial()` (a dict of tensors), made once per key.
+        """
+        if key not in self._variables:
+            with tf.init_scope(), self._strategy.scope():
+                initial = make_initial()
+                self._variables[key] = {
+                    name: tf.Variable(value, trainable=False, name=f"tfdist_{name}",
+                                      synchronization=tf.VariableSynchronization.ON_READ,
+                                      aggregation=tf.VariableAggregation.NONE)
+                    for name, value in initial.items()}
+        local = self._strategy.experimental_local_results
+        return {name: local(v) for name, v in self._variables[key].items()}
+
+    def all_reduce(self, gradients, communicator):
+        """Sums `gradients[i][replica]` over every replica of the job.
+
+        Returns `(sums, stats)`: sums in the same layout, and `stats` with `bytes_sent`
+        (one replica's payload bytes this step, int64 tensor) and `bytes_dense` (what the
+        same gradients weigh uncompressed).
+        """
+        compressor = self.compressor
+        replicas = range(len(communicator.devices))
+        dense_bytes = sum(g[0].shape.num_elements() * g[0].dtype.size for g in gradients)
+        take = [i for i, g in enumerate(gradients)
+                if compressor.compressible(g[0].shape, g[0].dtype)]
+        passthrough = [i for i in range(len(gradients)) if i not in take]
+        if compressor.elementwise:
+            groups = {}
+            for i in take:
+                groups.setdefault(gradients[i][0].dtype, []).append(i)
+            units = list(groups.values())
+        else:
+            units = [[i] for i in take]
+
+        # The step key: the same on every replica, so random choices agree without messages.
+        if self._step is None:
+            self._step = self._state_variables(
+                "step", lambda: {"step": tf.zeros([], tf.int64)})["step"]
+        key = tf.stack([tf.identity(self._step[0]), tf.constant(0, tf.int64)])
+
+        tensors, states, variables = [], [], []
+        for unit in units:
+            fused = []
+            for r in replicas:
+                with tf.device(communicator.devices[r]):
+                    if compressor.elementwise:
+                        fused.append(tf.concat([tf.reshape(gradients[i][r], [-1])
+                                                for i in unit], axis=0))
+                    else:
+                        fused.append(tf.convert_to_tensor(gradients[unit[0]][r]))
+            tensors.append(fused)
+            first = fused[0]
+            unit_key = ("unit", tuple(unit), tuple(first.shape.as_list()), first.dtype.name)
+            unit_variables = self._state_variables(
+                unit_key, lambda s=first.shape, d=first.dtype: compressor.initial_state(s, d))
+            variables.append(unit_variables)
+            states.append([{name: tf.identity(v[r]) for name, v in unit_variables.items()}
+                           for r in replicas])
+
+        sums, new_states, sent = ([], [], tf.constant(0, tf.int64))
+        if units:
+            sums, new_states, sent = compressor.exchange(tensors, states, communicator, key)
+        updates = [self._step[r].assign_add(1) for r in replicas]
+        for unit_variables, unit_states in zip(variables, new_states):
+            for name, components in unit_variables.items():
+                for r in replicas:
+                    with tf.device(communicator.devices[r]):
+                        updates.append(components[r].assign(unit_states[r][name]))
+
+        result = [[None] * len(replicas) for _ in gradients]
+        for unit, unit_sums in zip(units, sums):
+            for r in replicas:
+                with tf.device(communicator.devices[r]):
+                    if compressor.elementwise:
+                        sizes = [gradients[i][r].shape.num_elements() for i in unit]
+                        pieces = tf.split(tf.reshape(unit_sums[r], [-1]), sizes)
+                    else:
+                        pieces = [unit_sums[r]]
+                    for i, piece in zip(unit, pieces):
+                        result[i][r] = tf.reshape(piece, gradients[i][r].shape)
+        passthrough_bytes = 0
+        if passthrough:
+            reduced = communicator.all_reduce([[gradients[i][r] for i in passthrough]
+                                               for r in replicas])
+            for j, i in enumerate(passthrough):
+                passthrough_bytes += gradients[i][0].shape.num_elements() * gradients[i][
+                    0].dtype.size
+                for r in replicas:
+                    result[i][r] = reduced[r][j]
+        with tf.control_dependencies(updates):
+            result = [[tf.identity(t) for t in row] for row in result]
+            bytes_sent = sent + passthrough_bytes
+        return result, {"bytes_sent": bytes_sent, "bytes_dense": tf.constant(
+            dense_bytes, tf.int64)}
+
+
+def compression_logs(stats):
+    """Keras log entries for the exchange statistics of one step."""
+    sent = tf.cast(stats["bytes_sent"], tf.float32)
+    dense = tf.cast(stats["bytes_dense"], tf.float32)
+    return {"bytes_sent": sent, "bytes_dense": dense,
+            "compression_ratio": tf.math.divide_no_nan(dense, sent)}
+
