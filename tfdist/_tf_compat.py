@@ -52,9 +52,7 @@ def keras_optimizer_in_scope():
 # The all-reduce family extends TF's own Mirrored / CollectiveAllReduce engines: compression
 # hooks into their `_batch_reduce_to` (where Keras's gradient all-reduce lands on CPU), and a
 # payload crosses devices as a `PerReplica`, the only type their cross-device ops accept.
-from tensorflow.python.distribute.collective_all_reduce_strategy import (  # noqa: F401,E402
-    CollectiveAllReduceExtended,
-)
+from tensorflow.python.distribute.collective_all_reduce_strategy import CollectiveAllReduceExtended  # noqa: F401,E402
 from tensorflow.python.distribute.distribute_utils import regroup  # noqa: F401,E402
 from tensorflow.python.distribute.mirrored_strategy import MirroredExtended  # noqa: F401,E402
 from tensorflow.python.distribute.values import Mirrored  # noqa: F401,E402

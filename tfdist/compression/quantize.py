@@ -19,10 +19,12 @@ import tensorflow as tf
 
 from tfdist.compression.base import Compressor
 
-_BIT_WEIGHTS = tf.constant([128, 64, 32, 16, 8, 4, 2, 1], tf.int32)
-_BIT_SHIFTS = tf.constant([7, 6, 5, 4, 3, 2, 1, 0], tf.uint8)
-_PAIR_WEIGHTS = tf.constant([64, 16, 4, 1], tf.int32)
-_PAIR_SHIFTS = tf.constant([6, 4, 2, 0], tf.uint8)
+# Python lists, not tensors: a tensor made at import would start TF's context before a
+# multi-worker strategy can configure its collectives.
+_BIT_WEIGHTS = [128, 64, 32, 16, 8, 4, 2, 1]
+_BIT_SHIFTS = [7, 6, 5, 4, 3, 2, 1, 0]
+_PAIR_WEIGHTS = [64, 16, 4, 1]
+_PAIR_SHIFTS = [6, 4, 2, 0]
 
 
 def pack_bits(bits):
@@ -30,12 +32,14 @@ def pack_bits(bits):
     bits = tf.cast(tf.reshape(bits, [-1]), tf.int32)
     n = tf.size(bits)
     bits = tf.pad(bits, [[0, (8 - n % 8) % 8]])
-    return tf.cast(tf.reduce_sum(tf.reshape(bits, [-1, 8]) * _BIT_WEIGHTS, axis=1), tf.uint8)
+    weighted = tf.reshape(bits, [-1, 8]) * tf.constant(_BIT_WEIGHTS)
+    return tf.cast(tf.reduce_sum(weighted, axis=1), tf.uint8)
 
 
 def unpack_bits(packed, size):
     """The first `size` booleans of a `pack_bits` vector."""
-    bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(packed[:, None], _BIT_SHIFTS), 1)
+    shifted = tf.bitwise.right_shift(packed[:, None], tf.constant(_BIT_SHIFTS, tf.uint8))
+    bits = tf.bitwise.bitwise_and(shifted, 1)
     return tf.cast(tf.reshape(bits, [-1])[:size], tf.bool)
 
 
@@ -44,11 +48,13 @@ def pack_pairs(codes):
     codes = tf.cast(tf.reshape(codes, [-1]), tf.int32)
     n = tf.size(codes)
     codes = tf.pad(codes, [[0, (4 - n % 4) % 4]])
-    return tf.cast(tf.reduce_sum(tf.reshape(codes, [-1, 4]) * _PAIR_WEIGHTS, axis=1), tf.uint8)
+    weighted = tf.reshape(codes, [-1, 4]) * tf.constant(_PAIR_WEIGHTS)
+    return tf.cast(tf.reduce_sum(weighted, axis=1), tf.uint8)
 
 
 def unpack_pairs(packed, size):
-    codes = tf.bitwise.bitwise_and(tf.bitwise.right_shift(packed[:, None], _PAIR_SHIFTS), 3)
+    shifted = tf.bitwise.right_shift(packed[:, None], tf.constant(_PAIR_SHIFTS, tf.uint8))
+    codes = tf.bitwise.bitwise_and(shifted, 3)
     return tf.cast(tf.reshape(codes, [-1])[:size], tf.int32)
 
 

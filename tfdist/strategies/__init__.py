@@ -1,6 +1,8 @@
 """Distribution strategies by name: TensorFlow's built-ins and tfdist's own."""
 
 from tfdist.strategies import registry as _registry
+from tfdist.strategies.collective import CompressedMirroredStrategy
+from tfdist.strategies.collective import MultiWorkerMirroredStrategy
 from tfdist.strategies.flags import define_flags
 from tfdist.strategies.flags import from_flags
 from tfdist.strategies.model_averaging import ModelAveragingStrategy
@@ -15,10 +17,16 @@ from tfdist.strategies.telemetry import TelemetryCallback
 _registry.register("soft_sync", SoftSyncStrategy)
 _registry.register("async", AsyncStrategy)
 _registry.register("model_averaging", ModelAveragingStrategy)
+_registry.register("compressed_mirrored", CompressedMirroredStrategy)
+# tfdist's MultiWorkerMirrored takes the built-in's name: it is the one that runs Keras 3 `fit`
+# (and with compression=None computes what TF's would); TF's own stays reachable.
+_registry.register("multi_worker_mirrored", MultiWorkerMirroredStrategy)
 
 __all__ = [
     "AsyncStrategy",
+    "CompressedMirroredStrategy",
     "ModelAveragingStrategy",
+    "MultiWorkerMirroredStrategy",
     "SoftSyncStrategy",
     "TelemetryCallback",
     "define_flags",

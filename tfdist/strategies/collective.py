@@ -116,6 +116,16 @@ class MultiWorkerMirroredExtended(_CompressedExchangeMixin,
                          communication_options=communication_options)
         self._init_compression(compression)
 
+    def _call_for_each_replica(self, fn, args, kwargs):
+        if self._in_multi_worker_mode() and _traced_inside_a_loop():
+            raise ValueError(
+                "tfdist MultiWorkerMirroredStrategy: Keras `steps_per_execution` must be 1 "
+                "with several workers. Keras runs its steps inside a tf.while_loop then, "
+                "where TF 2.21's collective ops cannot get their per-call instance keys "
+                "(the run would fail with 'You must feed a value for placeholder tensor'). "
+                "Received: a step traced inside a loop; compile with steps_per_execution=1")
+        return super()._call_for_each_replica(fn, args, kwargs)
+
 
 def _check_tf_config():
     """A clear error for a TF_CONFIG this strategy cannot use (rather than a hang in TF)."""
@@ -182,6 +192,17 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
             return super(MultiWorkerMirroredStrategy, self).reduce(reduce_op, v, axis=v_axis)
 
         return tf.nest.map_structure(reduce_one, value)
+
+
+def _traced_inside_a_loop():
+    """Whether the function being traced is called from a control-flow branch or loop body."""
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None and getattr(graph, "building_function", False):
+        outer = getattr(graph, "outer_graph", None)
+        if getattr(outer, "is_control_flow_graph", False):
+            return True
+        graph = outer
+    return False
 
 
 def _rank(value):

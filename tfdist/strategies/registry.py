@@ -117,8 +117,8 @@ def _mirrored(**kwargs):
     return tf.distribute.MirroredStrategy(**kwargs)
 
 
-@register("multi_worker_mirrored")
-def _multi_worker_mirrored(**kwargs):
+@register("tf_multi_worker_mirrored")
+def _tf_multi_worker_mirrored(**kwargs):
     return tf.distribute.MultiWorkerMirroredStrategy(**kwargs)
 
 

@@ -1,0 +1,73 @@
+"""A worker program for the multi-worker all-reduce tests, run through the launcher.
+
+Every worker trains the same model on `data()` with tfdist's MultiWorkerMirroredStrategy,
+then evaluates and predicts, and writes what it saw to `<out_dir>/<task>.json`.
+"""
+
+import json
+import os
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app
+from absl import flags
+
+import tfdist
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out_dir", None, "Where to write results.")
+flags.DEFINE_string("compression", None, "Compressor name (None: no compression).")
+flags.DEFINE_integer("epochs", 2, "Epochs.")
+flags.DEFINE_integer("steps_per_execution", 1, "Keras steps_per_execution.")
+
+ROWS, BATCH = 128, 32
+
+
+def data():
+    rng = np.random.RandomState(0)
+    x = rng.randn(ROWS, 8).astype("float32")
+    y = (x[:, :4].sum(1) > x[:, 4:].sum(1)).astype("int32")
+    return x, y
+
+
+def build_model(steps_per_execution=1):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+                              keras.layers.Dense(2, activation="softmax")])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"], steps_per_execution=steps_per_execution)
+    return model
+
+
+def dataset():
+    """Global batches of BATCH; tf.data gives each worker its share of every batch."""
+    x, y = data()
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+
+
+def main(argv):
+    del argv
+    strategy = tfdist.strategies.get("multi_worker_mirrored", compression=FLAGS.compression)
+    config = tfdist.cluster.parse_tf_config()
+    with strategy.scope():
+        model = build_model(FLAGS.steps_per_execution)
+    history = model.fit(dataset(), epochs=FLAGS.epochs, verbose=2)
+    evaluation = model.evaluate(dataset(), verbose=0, return_dict=True)
+    x, _ = data()
+    predictions = model.predict(x, batch_size=BATCH, verbose=0)
+    result = {
+        "weights": [w.tolist() for w in model.get_weights()],
+        "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
+        "evaluation": {k: float(v) for k, v in evaluation.items()},
+        "predict_shape": list(predictions.shape),
+        "num_replicas": strategy.num_replicas_in_sync,
+    }
+    name = f"{config.task_type}_{config.task_index}.json"
+    with open(os.path.join(FLAGS.out_dir, name), "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("out_dir")
+    app.run(main)
