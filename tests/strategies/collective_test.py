@@ -97,7 +97,7 @@ class CompressedMirroredTest(tf.test.TestCase, parameterized.TestCase):
     def test_residuals_are_per_replica(self):
         strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression="topk")
         train(strategy, epochs=1)
-        residuals = [v for variables in strategy.extended._exchange._variables.values()
+        residuals = [v for variables in strategy.extended._exchange.states.variables.values()
                      for name, v in variables.items() if name == "residual"]
         self.assertLen(residuals, 1)  # one fused float32 vector
         first, second = strategy.experimental_local_results(residuals[0])

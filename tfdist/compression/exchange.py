@@ -130,6 +130,31 @@ class StrategyCommunicator(Communicator):
         return results
 
 
+class ReplicaStates:
+    """Compressor state kept in replica-local variables (one component per local replica).
+
+    Variables are made on first use of a key, while the train step is traced; later traces
+    (a last, smaller batch) find them by key again.
+    """
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self.variables = {}
+
+    def get(self, key, make_initial):
+        """`{name: per-replica variables}` for `make_initial()` (a dict of tensors)."""
+        if key not in self.variables:
+            with tf.init_scope(), self._strategy.scope():
+                initial = make_initial()
+                self.variables[key] = {
+                    name: tf.Variable(value, trainable=False, name=f"tfdist_{name}",
+                                      synchronization=tf.VariableSynchronization.ON_READ,
+                                      aggregation=tf.VariableAggregation.NONE)
+                    for name, value in initial.items()}
+        local = self._strategy.experimental_local_results
+        return {name: local(v) for name, v in self.variables[key].items()}
+
+
 class GradientExchange:
     """A compressor's state and statistics for one strategy's gradient all-reduce.
 
@@ -140,23 +165,8 @@ class GradientExchange:
 
     def __init__(self, compressor, strategy):
         self.compressor = compressor
-        self._strategy = strategy
-        self._variables = {}
+        self.states = ReplicaStates(strategy)
         self._step = None
-
-    def _state_variables(self, key, make_initial):
-        """Replica-local variables for `make_initial()` (a dict of tensors), made once per key.
-        """
-        if key not in self._variables:
-            with tf.init_scope(), self._strategy.scope():
-                initial = make_initial()
-                self._variables[key] = {
-                    name: tf.Variable(value, trainable=False, name=f"tfdist_{name}",
-                                      synchronization=tf.VariableSynchronization.ON_READ,
-                                      aggregation=tf.VariableAggregation.NONE)
-                    for name, value in initial.items()}
-        local = self._strategy.experimental_local_results
-        return {name: local(v) for name, v in self._variables[key].items()}
 
     def all_reduce(self, gradients, communicator):
         """Sums `gradients[i][replica]` over every replica of the job.
@@ -181,7 +191,7 @@ class GradientExchange:
 
         # The step key: the same on every replica, so random choices agree without messages.
         if self._step is None:
-            self._step = self._state_variables(
+            self._step = self.states.get(
                 "step", lambda: {"step": tf.zeros([], tf.int64)})["step"]
         key = tf.stack([tf.identity(self._step[0]), tf.constant(0, tf.int64)])
 
@@ -198,7 +208,7 @@ class GradientExchange:
             tensors.append(fused)
             first = fused[0]
             unit_key = ("unit", tuple(unit), tuple(first.shape.as_list()), first.dtype.name)
-            unit_variables = self._state_variables(
+            unit_variables = self.states.get(
                 unit_key, lambda s=first.shape, d=first.dtype: compressor.initial_state(s, d))
             variables.append(unit_variables)
             states.append([{name: tf.identity(v[r]) for name, v in unit_variables.items()}

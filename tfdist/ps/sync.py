@@ -53,8 +53,12 @@ def in_updater():
 class SyncResources:
     """Opens the protocol's shared resources on ps task 0."""
 
-    def __init__(self, connection, container="tfdist"):
+    def __init__(self, connection, container="tfdist", compressor=None):
         self.connection = connection
+        self.compressor = compressor
+        # A push carries one flat float32 gradient, or a compressor's payload for it.
+        self.payload_dtypes = (tuple(compressor.payload_dtypes(tf.float32)) if compressor
+                               else (tf.float32,))
         self.device = connection.ps_devices[0]
         self.num_workers = connection.num_workers
         self.rank = connection.rank
@@ -63,8 +67,8 @@ class SyncResources:
             container=container)
         with tf.init_scope(), tf.device(self.device):
             self.gradient_queue = tf.raw_ops.FIFOQueueV2(
-                component_types=[tf.int64, tf.int32, tf.float32], shapes=[], capacity=-1,
-                container=container, shared_name="sync/gradients")
+                component_types=[tf.int64, tf.int32, *self.payload_dtypes], shapes=[],
+                capacity=-1, container=container, shared_name="sync/gradients")
             self.token_queues = [
                 tf.raw_ops.FIFOQueueV2(component_types=[tf.int64], shapes=[], capacity=-1,
                                        container=container, shared_name=f"sync/tokens/{r}")
@@ -101,8 +105,8 @@ class SyncResources:
 
     # Worker side, traced into the worker's train step --------------------------------------
 
-    def push_and_wait(self, flat_gradient, local_step):
-        """Pushes this worker's gradient for `local_step`, then waits for its token.
+    def push_and_wait(self, payload, local_step):
+        """Pushes this worker's gradient payload for `local_step`, then waits for its token.
 
         Returns the new global step (the token); raises in-graph, with the message of a stop
         token, if the chief stopped the run.
@@ -110,7 +114,7 @@ class SyncResources:
         with tf.device(self.device):
             push = tf.raw_ops.QueueEnqueueV2(
                 handle=self.gradient_queue,
-                components=[local_step, tf.constant(self.rank, tf.int32), flat_gradient])
+                components=[local_step, tf.constant(self.rank, tf.int32), *payload])
             with tf.control_dependencies([push]):
                 token = tf.raw_ops.QueueDequeueV2(
                     handle=self.token_queues[self.rank], component_types=[tf.int64])[0]
@@ -126,7 +130,7 @@ class SyncResources:
             tf.raw_ops.QueueEnqueueV2(
                 handle=self.gradient_queue,
                 components=[tf.constant(kind, tf.int64), tf.constant(rank, tf.int32),
-                            tf.zeros([0], tf.float32)])
+                            *[tf.zeros([0], dtype) for dtype in self.payload_dtypes]])
 
     def send_token(self, rank, value):
         with tf.init_scope(), tf.device(self.device):
@@ -255,8 +259,9 @@ class Updater:
             return tf.logical_and(state["accepted"] < required, tf.equal(event, 0))
 
         def body(state, event, rank):
-            entry_step, entry_rank, gradient = tf.raw_ops.QueueDequeueV2(
-                handle=res.gradient_queue, component_types=[tf.int64, tf.int32, tf.float32])
+            entry_step, entry_rank, *payload = tf.raw_ops.QueueDequeueV2(
+                handle=res.gradient_queue,
+                component_types=[tf.int64, tf.int32, *res.payload_dtypes])
             entry_step = tf.reshape(entry_step, [])
             entry_rank = tf.reshape(entry_rank, [])
             control = entry_step < 0
@@ -266,7 +271,7 @@ class Updater:
             staleness = tf.maximum(step - entry_step, 0)
             new = dict(state)
             new["total"] = tf.cond(
-                usable, lambda: state["total"] + tf.reshape(gradient, [self.layout.total_size]),
+                usable, lambda: state["total"] + self._decode(payload, entry_step, entry_rank),
                 lambda: state["total"])
             taken = tf.cast(usable, tf.int64)
             new["accepted"] = state["accepted"] + tf.cast(usable, tf.int32)
@@ -289,6 +294,15 @@ class Updater:
 
         return tf.while_loop(cond, body, [state, tf.constant(0), tf.constant(-1)],
                              parallel_iterations=1)
+
+    def _decode(self, payload, entry_step, entry_rank):
+        """A push's flat gradient (decoded on the ps device, with the key it was made with)."""
+        size = self.layout.total_size
+        compressor = self.resources.compressor
+        if compressor is None:
+            return tf.reshape(payload[0], [size])
+        key = tf.stack([entry_step, tf.cast(entry_rank, tf.int64)])
+        return compressor.decompress(payload, [size], tf.float32, key)
 
     def _release(self, rank, step):
         """Puts token `step` on worker `rank`'s queue (in-graph, `rank` a tensor)."""

@@ -91,7 +91,7 @@ class ModelAveragingExtended(ParameterServerExtended):
         """Pushes this worker's model, waits for the round's average, and takes it."""
         local_vars = [local for local, _ in self._pairs]
         flat = sync.GradientLayout.flatten([v.read_value() for v in local_vars])
-        token = self._resources.push_and_wait(flat, self._local_step.read_value())
+        token = self._resources.push_and_wait((flat,), self._local_step.read_value())
         with tf.control_dependencies([token]):
             pulled = [master.read_value() for _, master in self._pairs]
             dropped = self._resources.progress[sync.STAT_DROPPED]

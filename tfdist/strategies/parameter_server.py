@@ -17,6 +17,10 @@ import threading
 import tensorflow as tf
 
 from tfdist import _tf_compat
+from tfdist import compression as compression_lib
+from tfdist.compression.base import sum_payload_bytes
+from tfdist.compression.exchange import ReplicaStates
+from tfdist.compression.exchange import compression_logs
 from tfdist.ps import sync
 from tfdist.ps.connection import PSConnection
 from tfdist.ps.connection import ps_device
@@ -38,6 +42,7 @@ class _StepTrace:
         self.num_pushed = 0
         self.token = None
         self.stats = None
+        self.compression = None
         self.update_vars = []
         self.optimizer = None
         self.exit_stack = contextlib.ExitStack()
@@ -46,6 +51,19 @@ class _StepTrace:
 def _check_positive(name, value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"`{name}` must be a positive number of seconds. Received: {value!r}")
+
+
+def push_compressor(compression):
+    """The compressor for the ps push path, or None; refuses those that need all-reduce."""
+    compressor = compression_lib.get(compression)
+    if compressor is not None and not compressor.elementwise:
+        allowed = [name for name in compression_lib.names()
+                   if compression_lib.get(name).elementwise]
+        raise ValueError(
+            f"`compression`={compressor.name!r} needs rounds of all-reduce between the "
+            f"replicas; a parameter-server push carries one message per step. Allowed "
+            f"here: {allowed}")
+    return compressor
 
 
 def n_of_m_policy(policy_class, replicas_to_aggregate):
@@ -66,7 +84,9 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
     """The engine of the parameter-server strategies (one replica per worker process)."""
 
     def __init__(self, container_strategy, make_policy, cluster=None, worker_timeout=120.0,
-                 init_timeout=60.0, connect_timeout=30.0, inter_op_threads=1):
+                 init_timeout=60.0, connect_timeout=30.0, inter_op_threads=1,
+                 compression=None):
+        compressor = push_compressor(compression)
         for name, value in (("worker_timeout", worker_timeout), ("init_timeout", init_timeout),
                             ("connect_timeout", connect_timeout)):
             _check_positive(name, value)
@@ -80,7 +100,9 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         self._worker_timeout = worker_timeout
         self._init_timeout = init_timeout
         self._chief_name = connection.training_tasks[0]
-        self._resources = sync.SyncResources(connection)
+        self._resources = sync.SyncResources(connection, compressor=compressor)
+        self._compressor = compressor
+        self._compressor_states = ReplicaStates(container_strategy)
         self._resources.initialize(init_timeout)
         with tf.init_scope(), tf.device(connection.local_device):
             self._local_step = tf.Variable(self._resources.read_progress()["global_step"],
@@ -153,6 +175,8 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                         tf.cast(trace.stats[sync.STAT_STALENESS_SUM], tf.float32)
                         / tf.cast(aggregated, tf.float32))
                     result["staleness_max"] = trace.stats[sync.STAT_STALENESS_MAX]
+                if trace.compression is not None:
+                    result.update(compression_logs(trace.compression))
         return result
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
@@ -161,7 +185,12 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
         values = [value for value, _ in value_destination_pairs]
         flat = sync.GradientLayout.flatten(values)
-        token = self._resources.push_and_wait(flat, self._local_step.read_value())
+        local_step = self._local_step.read_value()
+        payload, state_updates = (flat,), []
+        if self._compressor is not None:
+            payload, state_updates, trace.compression = self._encode(flat, local_step)
+        with tf.control_dependencies(state_updates):
+            token = self._resources.push_and_wait(payload, local_step)
         set_step = self._local_step.assign(token, read_value=False)
         with tf.control_dependencies([token]):
             trace.stats = self._resources.progress.read_value()
@@ -170,6 +199,20 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         trace.exit_stack.enter_context(master_writes_suppressed())
         with tf.control_dependencies([set_step]):
             return [tf.identity(tf.convert_to_tensor(v)) for v in values]
+
+    def _encode(self, flat, local_step):
+        """Compresses this worker's flat gradient; its residual stays with the worker."""
+        compressor = self._compressor
+        states = self._compressor_states.get(
+            ("push", flat.shape.num_elements()),
+            lambda: compressor.initial_state(flat.shape, flat.dtype))
+        state = {name: tf.identity(v[0]) for name, v in states.items()}
+        key = tf.stack([local_step, tf.constant(self._connection.rank, tf.int64)])
+        payload, new_state = compressor.compress(flat, state, key)
+        updates = [states[name][0].assign(new_state[name]) for name in states]
+        stats = {"bytes_sent": sum_payload_bytes([payload]),
+                 "bytes_dense": tf.constant(flat.shape.num_elements() * 4, tf.int64)}
+        return payload, updates, stats
 
     def _update(self, var, fn, args, kwargs, group):
         trace = getattr(self._tls, "trace", None)
@@ -339,6 +382,11 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
       connect_timeout: seconds the ps tasks get to start listening.
       inter_op_threads: inter-op threads of this worker's TF executor (None: TF's default).
         One is fastest when per-step latency dominates (small models, shared cores).
+      compression: a `tfdist.compression` compressor (or its name / config) for the push:
+        each worker encodes its gradient (keeping its own error-feedback residual) and the
+        updater decodes it on ps task 0. The logs then carry `bytes_sent`, `bytes_dense`
+        and `compression_ratio`. Compressors that need all-reduce rounds (PowerSGD) are
+        refused.
 
     Raises:
       ValueError: `replicas_to_aggregate` is not between 1 and the number of workers, the
@@ -347,11 +395,13 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
     """
 
     def __init__(self, replicas_to_aggregate=None, cluster=None, worker_timeout=120.0,
-                 init_timeout=60.0, connect_timeout=30.0, inter_op_threads=1):
+                 init_timeout=60.0, connect_timeout=30.0, inter_op_threads=1,
+                 compression=None):
         super().__init__(ParameterServerExtended(
             self, n_of_m_policy(SoftSyncPolicy, replicas_to_aggregate), cluster=cluster,
             worker_timeout=worker_timeout, init_timeout=init_timeout,
-            connect_timeout=connect_timeout, inter_op_threads=inter_op_threads))
+            connect_timeout=connect_timeout, inter_op_threads=inter_op_threads,
+            compression=compression))
 
     @property
     def replicas_to_aggregate(self):
@@ -387,18 +437,18 @@ class AsyncStrategy(ParameterServerStrategyBase):
         g + lambda * g * g * (w_now - w_read), where w_read are the weights the worker was
         last released with (kept per worker on ps task 0).
       on_stale: "drop" or "wait", see `max_staleness`.
-      cluster, worker_timeout, init_timeout, connect_timeout, inter_op_threads: as for
-        `SoftSyncStrategy`.
+      cluster, worker_timeout, init_timeout, connect_timeout, inter_op_threads, compression:
+        as for `SoftSyncStrategy`.
     """
 
     def __init__(self, staleness="none", max_staleness=None, delay_compensation=None,
                  on_stale="drop", cluster=None, worker_timeout=120.0, init_timeout=60.0,
-                 connect_timeout=30.0, inter_op_threads=1):
+                 connect_timeout=30.0, inter_op_threads=1, compression=None):
         policy = AsyncPolicy(staleness, max_staleness, delay_compensation, on_stale)
         super().__init__(ParameterServerExtended(
             self, lambda total: policy, cluster=cluster, worker_timeout=worker_timeout,
             init_timeout=init_timeout, connect_timeout=connect_timeout,
-            inter_op_threads=inter_op_threads))
+            inter_op_threads=inter_op_threads, compression=compression))
 
     @property
     def policy(self):
