@@ -5,8 +5,8 @@
     python benchmarks/report.py --reuse    # rebuild the report from the JSON already there
 
 Writes into --out_dir: straggler.{json,png}, quality.{json,png}, scaling.json,
-capacity.{json,png} and report.md, which shows the tables and plots side by side with the TF
-built-ins measured in the same run (where they run).
+capacity.{json,png}, compression.{json,png} and report.md, which shows the tables and plots
+side by side with the TF built-ins measured in the same run (where they run).
 """
 
 import json
@@ -80,12 +80,13 @@ def model_bytes():
     return 4 * parameters
 
 
-def build_capacity(scaling):
+def build_capacity(scaling, compression_ratio):
     rates = {int(m): r for m, r in scaling["hard sync"].items()}
     compute_s, per_push_s = capacity.fit_local(rates)
     model = capacity.CapacityModel(
         compute_s=compute_s, per_push_s=per_push_s, model_bytes=model_bytes(),
-        bandwidth_bytes_s=FLAGS.bandwidth_gbit * 1e9 / 8, latency_s=FLAGS.latency_us * 1e-6)
+        bandwidth_bytes_s=FLAGS.bandwidth_gbit * 1e9 / 8, latency_s=FLAGS.latency_us * 1e-6,
+        compression_ratio=compression_ratio)
     workers = [8, 16, 32, 64, 128, 256, 512, 1024]
     return {"fit": {"compute_s": compute_s, "per_push_s": per_push_s,
                     "model_bytes": model.model_bytes, "bandwidth_gbit": FLAGS.bandwidth_gbit,
@@ -125,7 +126,43 @@ def _table(header, rows):
     return "\n".join(lines)
 
 
-def write_report(straggler, quality, scaling, capacity_result):
+def compression_section(result):
+    exchange, accuracy = result["exchange"], result["accuracy"]
+    parts = ["## Compressed gradient exchange", "",
+             "`benchmarks/compression.py`: one process, 2 replicas on 2 logical CPU devices. "
+             f"Step time of `CompressedMirroredStrategy(compression=None)` over TF's "
+             f"`MirroredStrategy` on the same job (MLP, {exchange['model_parameters']:,} "
+             f"parameters, interleaved runs, median): **{exchange['step_time_ratio']:.3f}** "
+             "(target ≤ 1.03).", "",
+             "Bytes one replica sends per step (from the Keras logs of training) against dense "
+             "float32, the step time with the compressor against the same exchange with "
+             "`none`, and encode + decode time as a share of the step:", ""]
+    rows = []
+    for name, r in exchange["compressors"].items():
+        rows.append([name, f"{int(r['bytes_sent']):,}", f"{r['bytes_ratio']:.1f}x",
+                     f"{1000 * r['step_seconds']:.2f}",
+                     f"{1000 * r['step_seconds_uncompressed']:.2f}",
+                     f"{100 * r['codec_share']:.1f} %"])
+    parts += [_table(["compressor", "bytes sent", "vs dense fp32", "step ms",
+                      "step ms (none)", "codec share"], rows), ""]
+    base = accuracy["uncompressed"]
+    parts += [f"Digits test accuracy, {accuracy['epochs']} epochs, seeds {accuracy['seeds']} "
+              f"(uncompressed: {base['mean']:.4f} ± {base['std']:.4f}); points against "
+              "uncompressed:", ""]
+    rows = []
+    for name, entry in accuracy["compressors"].items():
+        cells = [name]
+        for key in ("error_feedback", "no_error_feedback"):
+            r = entry.get(key)
+            cells.append("" if r is None else
+                         f"{r['mean']:.4f} ± {r['std']:.4f} ({r['vs_uncompressed_points']:+.2f})")
+        rows.append(cells)
+    parts += [_table(["compressor", "with error feedback", "without"], rows), "",
+              "![compression](compression.png)", ""]
+    return parts
+
+
+def write_report(straggler, quality, scaling, capacity_result, compression):
     parts = ["# tfdist benchmark report", "",
              f"Settings: {'full' if FLAGS.full else 'CI-sized (fast)'}. Every figure was "
              "measured on this machine; each comparison (a ratio, a difference to one process) "
@@ -182,10 +219,13 @@ def write_report(straggler, quality, scaling, capacity_result):
     parts += [_table(["workers"] + [k[:-2].replace("_", " ") + " (ms)" for k in keys], rows), "",
               "![capacity](capacity.png)", ""]
     parts += ["## Bytes per step", "",
-              f"Dense float32 model: {model_bytes()} bytes. A parameter-server worker pushes one "
-              "gradient and reads one model per step (2x that); ring all-reduce moves "
-              "2(M-1)/M of it per link. Compressed exchange is not measured yet (the "
-              "`tfdist.compression` issue).", ""]
+              f"Dense float32 digits model: {model_bytes()} bytes. A parameter-server worker "
+              "pushes one gradient and reads one model per step (2x that); ring all-reduce "
+              "moves 2(M-1)/M of it per link; a compressed all-gather moves each worker's "
+              "payload to every other. The capacity projection's compressed all-gather uses "
+              f"the top-k ratio measured below (x{capacity_result['fit']['compression_ratio']:g})"
+              ".", ""]
+    parts += compression_section(compression)
     with open(_path("report.md"), "w") as f:
         f.write("\n".join(parts))
 
@@ -206,12 +246,18 @@ def main(argv):
                                   10.0 if FLAGS.full else 3.0)
         with open(_path("scaling.json"), "w") as f:
             json.dump(scaling, f, indent=1)
+    if _needed("compression.json"):
+        _run("compression.py", f"--out={_path('compression')}",
+             *([] if FLAGS.full else ["--fast"]))
+    compression = _load("compression.json")
+    topk = compression["exchange"]["compressors"].get("topk")
     scaling = _load("scaling.json")
-    capacity_result = build_capacity(scaling)
+    capacity_result = build_capacity(scaling, round(topk["bytes_ratio"], 1) if topk else 100.0)
     with open(_path("capacity.json"), "w") as f:
         json.dump(capacity_result, f, indent=1)
     plot_capacity(capacity_result, _path("capacity.png"))
-    write_report(_load("straggler.json"), _load("quality.json"), scaling, capacity_result)
+    write_report(_load("straggler.json"), _load("quality.json"), scaling, capacity_result,
+                 compression)
     print(f"report: {_path('report.md')}", flush=True)
 
 

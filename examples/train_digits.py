@@ -8,8 +8,14 @@ A local parameter-server cluster (1 ps, 3 workers), soft-synchronous:
 
     tfdist-launch --local --num_ps=1 --num_workers=3 -- python examples/train_digits.py
 
+Two workers all-reducing top-k compressed gradients over TF collectives:
+
+    tfdist-launch --local --num_ps=0 --num_workers=2 -- python examples/train_digits.py \
+        --strategy=multi_worker_mirrored --compression=topk --compression_arg=ratio=0.05
+
 The data ships with scikit-learn (no download). Every worker passes the whole training set to
-`fit`; tfdist's parameter-server strategies give each worker its own shard of the batches.
+`fit`; tfdist's parameter-server strategies give each worker its own shard of the batches, and
+the all-reduce strategies split every global batch over the replicas (tf.data auto-sharding).
 The chief prints the test accuracy and, with --output_json, writes the run's figures.
 """
 
@@ -27,7 +33,7 @@ import tfdist  # noqa: F401  (sets TensorFlow's environment before it starts)
 FLAGS = flags.FLAGS
 tfdist.strategies.define_flags(default="soft_sync")
 flags.DEFINE_integer("epochs", 20, "Training epochs.", lower_bound=1)
-flags.DEFINE_integer("batch_size", 32, "Per-worker batch size.", lower_bound=1)
+flags.DEFINE_integer("batch_size", 32, "Per-worker (per-replica) batch size.", lower_bound=1)
 flags.DEFINE_float("learning_rate", 0.05, "Learning rate for one worker's batch.",
                    lower_bound=0)
 flags.DEFINE_bool("scale_learning_rate", True,
@@ -101,15 +107,19 @@ def main(argv):
         model = build_model(FLAGS.seed)
         model.compile(optimizer=make_optimizer(FLAGS.optimizer, learning_rate),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    # tfdist's parameter-server strategies give each worker its own share of the data.
-    x_fit, y_fit = (strategy.shard(x_train, y_train) if hasattr(strategy, "shard")
-                    else (x_train, y_train))
+    # tfdist's parameter-server strategies give each worker its own share of the data; the
+    # all-reduce strategies take a global batch and split it over their replicas.
+    if hasattr(strategy, "shard"):
+        (x_fit, y_fit), batch_size = strategy.shard(x_train, y_train), FLAGS.batch_size
+    else:
+        x_fit, y_fit = x_train, y_train
+        batch_size = FLAGS.batch_size * strategy.num_replicas_in_sync
     config = os.environ.get("TF_CONFIG")
     is_chief = not config or tfdist.cluster.parse_tf_config(config).is_chief
     curve = TestCurve(x_test, y_test)
     callbacks = [curve] if FLAGS.eval_every_epoch and is_chief else []
     start = time.time()
-    history = model.fit(x_fit, y_fit, batch_size=FLAGS.batch_size, epochs=FLAGS.epochs,
+    history = model.fit(x_fit, y_fit, batch_size=batch_size, epochs=FLAGS.epochs,
                         shuffle=False, verbose=FLAGS.verbose, callbacks=callbacks)
     if hasattr(strategy, "join"):
         strategy.join()  # the chief waits for every worker: the weights are final after it
@@ -119,7 +129,8 @@ def main(argv):
         print(f"test accuracy {accuracy:.4f}, test loss {loss:.4f}, "
               f"trained in {train_seconds:.1f} s with {FLAGS.strategy}")
         if FLAGS.output_json:
-            figures = {"strategy": FLAGS.strategy, "test_accuracy": float(accuracy),
+            figures = {"strategy": FLAGS.strategy, "compression": FLAGS.compression,
+                       "test_accuracy": float(accuracy),
                        "test_loss": float(loss), "train_seconds": train_seconds,
                        "curve": curve.points,
                        "history": {k: [float(v) for v in vs]

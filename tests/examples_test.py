@@ -40,6 +40,17 @@ class TrainDigitsTest(tf.test.TestCase):
             self.assertEqual(result["strategy"], strategy)
             self.assertGreater(result["test_accuracy"], 0.93, strategy)
 
+    def test_multi_worker_mirrored_with_compression_trains_digits(self):
+        result = self._accuracy(sys.executable, "-m", "tfdist.launch", "--local", "--num_ps=0",
+                                "--num_workers=2", "--timeout=300", "--",
+                                flags=["--strategy=multi_worker_mirrored", "--compression=topk",
+                                       "--compression_arg=ratio=0.05", "--epochs=10"])
+        self.assertEqual((result["strategy"], result["compression"]),
+                         ("multi_worker_mirrored", "topk"))
+        self.assertGreater(result["test_accuracy"], 0.93)
+        self.assertAllClose(result["history"]["compression_ratio"][-1],
+                            4 * 4810 / (8 * int(0.05 * 4810)), rtol=1e-6)
+
 
 if __name__ == "__main__":
     tf.test.main()

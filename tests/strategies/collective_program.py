@@ -16,10 +16,15 @@ from absl import flags
 import tfdist
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", None, "Where to write results.")
-flags.DEFINE_string("compression", None, "Compressor name (None: no compression).")
-flags.DEFINE_integer("epochs", 2, "Epochs.")
-flags.DEFINE_integer("steps_per_execution", 1, "Keras steps_per_execution.")
+
+
+def define_flags():
+    # Defined only when run as a program: the tests import data() and build_model() from
+    # here next to ps_program, whose flags share these names.
+    flags.DEFINE_string("out_dir", None, "Where to write results.")
+    flags.DEFINE_string("compression", None, "Compressor name (None: no compression).")
+    flags.DEFINE_integer("epochs", 2, "Epochs.")
+    flags.DEFINE_integer("steps_per_execution", 1, "Keras steps_per_execution.")
 
 ROWS, BATCH = 128, 32
 
@@ -69,5 +74,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     flags.mark_flag_as_required("out_dir")
     app.run(main)

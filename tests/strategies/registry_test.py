@@ -59,6 +59,25 @@ class RegistryTest(tf.test.TestCase):
         with self.assertRaisesRegex(flags.IllegalFlagValueError, "--strategy must be one of"):
             bad(["prog", "--strategy=nope"])
 
+    def test_compression_flags(self):
+        flag_values = flags.FlagValues()
+        tfdist.strategies.define_flags(flag_values=flag_values)
+        flag_values(["prog", "--strategy=compressed_mirrored", "--compression=topk",
+                     "--compression_arg=ratio=0.05", "--strategy_arg=devices=['/cpu:0']"])
+        strategy = tfdist.strategies.from_flags(flag_values)
+        self.assertIsInstance(strategy, tfdist.strategies.CompressedMirroredStrategy)
+        self.assertEqual(strategy.compressor.ratio, 0.05)
+        bad = flags.FlagValues()
+        tfdist.strategies.define_flags(flag_values=bad)
+        with self.assertRaisesRegex(flags.IllegalFlagValueError,
+                                    "--compression must be one of .*'topk'.* Received: 'zip'"):
+            bad(["prog", "--compression=zip"])
+        orphan = flags.FlagValues()
+        tfdist.strategies.define_flags(flag_values=orphan)
+        orphan(["prog", "--compression_arg=ratio=0.1"])
+        with self.assertRaisesRegex(ValueError, "--compression_arg needs --compression"):
+            tfdist.strategies.from_flags(orphan)
+
 
 if __name__ == "__main__":
     tf.test.main()
