@@ -122,6 +122,24 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(sent, [0, -5.0, 0, 3.0, 0, 0, 0, 0, 0, 0])
         self.assertAllClose(state["residual"], x - sent)
 
+    def test_fast_top_k_is_exact(self):
+        from tfdist.compression.sparsify import top_k_indices
+
+        for size, k in ((200_000, 2000), (200_000, 20), (60_000, 1), (1000, 10)):
+            x = tf.abs(tf.random.stateless_normal([size], seed=[size, k]))
+            self.assertAllEqual(tf.sort(top_k_indices(x, k)),
+                                tf.sort(tf.math.top_k(x, k).indices))
+        ties = tf.zeros([100_000])  # every candidate passes: still exactly k
+        self.assertLen(top_k_indices(ties, 50), 50)
+
+    def test_randomk_indices_agree_across_replicas(self):
+        compressor = tfdist.compression.get("randomk", ratio=0.01)
+        key = tf.constant([4, 0], tf.int64)
+        first = compressor._indices(300_000, key)
+        self.assertAllEqual(first, compressor._indices(300_000, key))
+        self.assertAllEqual(first, tf.sort(first))
+        self.assertLen(set(first.numpy().tolist()), 3000)
+
     def test_threshold_sends_plus_minus_tau(self):
         x = tf.constant([0.5, -0.05, 0.2, -0.3])
         compressor = tfdist.compression.get("threshold", threshold=0.25)
