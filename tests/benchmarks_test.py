@@ -1,8 +1,12 @@
-"""The capacity model of benchmarks/capacity.py against closed forms."""
+"""The capacity model of benchmarks/capacity.py against closed forms; the compression
+benchmark end to end at its smallest settings."""
 
 import importlib.util
+import json
 import math
 import os
+import subprocess
+import sys
 
 import tensorflow as tf
 
@@ -44,6 +48,29 @@ class CapacityModelTest(tf.test.TestCase):
         rows = model.projections([8, 64])
         self.assertLess(rows[0]["ps_hard_sync_s"], rows[1]["ps_hard_sync_s"])
         self.assertLess(rows[1]["ps_soft_sync_0.9_s"], rows[1]["ps_hard_sync_s"])
+
+
+class CompressionBenchmarkTest(tf.test.TestCase):
+
+    def test_smallest_run_writes_every_figure(self):
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        out = os.path.join(self.get_temp_dir(), "compression")
+        command = [sys.executable, os.path.join(root, "benchmarks", "compression.py"),
+                   f"--out={out}", "--fast", "--compressors=fp16,topk", "--seeds=0",
+                   "--epochs=1", "--timing_steps=5"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=400)
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        with open(out + ".json") as f:
+            figures = json.load(f)
+        self.assertTrue(os.path.exists(out + ".png"))
+        exchange = figures["exchange"]
+        self.assertGreater(exchange["step_time_ratio"], 0)
+        self.assertEqual(exchange["compressors"]["fp16"]["bytes_ratio"], 2.0)
+        self.assertGreaterEqual(exchange["compressors"]["topk"]["bytes_ratio"], 50)
+        self.assertEqual(exchange["compressors"]["topk"]["bytes_sent"],
+                         exchange["compressors"]["topk"]["documented_bytes"])
+        accuracy = figures["accuracy"]["compressors"]
+        self.assertEqual(set(accuracy["topk"]), {"error_feedback", "no_error_feedback"})
 
 
 if __name__ == "__main__":

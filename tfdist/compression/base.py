@@ -236,6 +236,8 @@ def _num_elements(shape):
 def _key(key):
     if key is None:
         return tf.zeros([2], tf.int64)
+    if isinstance(key, tf.Tensor) and key.dtype == tf.int64 and key.shape == [2]:
+        return key  # the same tensor, so that what is derived from it can be reused
     return tf.cast(tf.reshape(key, [2]), tf.int64)
 
 

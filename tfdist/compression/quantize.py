@@ -15,47 +15,54 @@ Payload sizes are for a gradient of n elements (b bytes each):
 
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist.compression.base import Compressor
 
-# Python lists, not tensors: a tensor made at import would start TF's context before a
-# multi-worker strategy can configure its collectives.
-_BIT_WEIGHTS = [128, 64, 32, 16, 8, 4, 2, 1]
-_BIT_SHIFTS = [7, 6, 5, 4, 3, 2, 1, 0]
-_PAIR_WEIGHTS = [64, 16, 4, 1]
-_PAIR_SHIFTS = [6, 4, 2, 0]
+# Lookup tables (byte -> its 8 bits / its 4 two-bit codes) are made on first use: a tensor
+# made at import would start TF's context before a multi-worker strategy configures it.
+_TABLES = {}
+
+
+def _table(name):
+    if name not in _TABLES:
+        byte = np.arange(256, dtype=np.uint8)[:, None]
+        if name == "bits":
+            _TABLES[name] = np.unpackbits(byte, axis=1).astype(np.float32)
+        else:
+            _TABLES[name] = ((byte >> np.array([6, 4, 2, 0], np.uint8)) & 3).astype(np.int32)
+    return tf.constant(_TABLES[name])
 
 
 def pack_bits(bits):
     """Packs a boolean vector into uint8, eight per byte (most significant first)."""
-    bits = tf.cast(tf.reshape(bits, [-1]), tf.int32)
-    n = tf.size(bits)
-    bits = tf.pad(bits, [[0, (8 - n % 8) % 8]])
-    weighted = tf.reshape(bits, [-1, 8]) * tf.constant(_BIT_WEIGHTS)
-    return tf.cast(tf.reduce_sum(weighted, axis=1), tf.uint8)
+    bits = tf.cast(tf.reshape(bits, [-1]), tf.uint8)
+    bits = tf.pad(bits, [[0, (8 - tf.size(bits) % 8) % 8]])
+    shifts = tf.constant([7, 6, 5, 4, 3, 2, 1, 0], tf.uint8)
+    return tf.reduce_sum(tf.bitwise.left_shift(tf.reshape(bits, [-1, 8]), shifts), axis=1)
+
+
+def _bit_values(packed, size):
+    """The first `size` bits of a `pack_bits` vector, as float32 0 / 1 (one table lookup)."""
+    return tf.reshape(tf.gather(_table("bits"), tf.cast(packed, tf.int32)), [-1])[:size]
 
 
 def unpack_bits(packed, size):
     """The first `size` booleans of a `pack_bits` vector."""
-    shifted = tf.bitwise.right_shift(packed[:, None], tf.constant(_BIT_SHIFTS, tf.uint8))
-    bits = tf.bitwise.bitwise_and(shifted, 1)
-    return tf.cast(tf.reshape(bits, [-1])[:size], tf.bool)
+    return _bit_values(packed, size) > 0
 
 
 def pack_pairs(codes):
     """Packs a vector of 2-bit codes (ints 0..3) into uint8, four per byte."""
-    codes = tf.cast(tf.reshape(codes, [-1]), tf.int32)
-    n = tf.size(codes)
-    codes = tf.pad(codes, [[0, (4 - n % 4) % 4]])
-    weighted = tf.reshape(codes, [-1, 4]) * tf.constant(_PAIR_WEIGHTS)
-    return tf.cast(tf.reduce_sum(weighted, axis=1), tf.uint8)
+    codes = tf.cast(tf.reshape(codes, [-1]), tf.uint8)
+    codes = tf.pad(codes, [[0, (4 - tf.size(codes) % 4) % 4]])
+    shifts = tf.constant([6, 4, 2, 0], tf.uint8)
+    return tf.reduce_sum(tf.bitwise.left_shift(tf.reshape(codes, [-1, 4]), shifts), axis=1)
 
 
 def unpack_pairs(packed, size):
-    shifted = tf.bitwise.right_shift(packed[:, None], tf.constant(_PAIR_SHIFTS, tf.uint8))
-    codes = tf.bitwise.bitwise_and(shifted, 3)
-    return tf.cast(tf.reshape(codes, [-1])[:size], tf.int32)
+    return tf.reshape(tf.gather(_table("pairs"), tf.cast(packed, tf.int32)), [-1])[:size]
 
 
 def _size(shape):
@@ -130,7 +137,7 @@ class OneBitCompressor(Compressor):
     def _decompress(self, payload, shape, dtype, key):
         del key
         bits, means = payload
-        flat = tf.where(unpack_bits(bits, _size(shape)), means[0], means[1])
+        flat = means[1] + _bit_values(bits, _size(shape)) * (means[0] - means[1])
         return tf.reshape(tf.cast(flat, dtype), shape)
 
     def payload_dtypes(self, dtype):
@@ -156,7 +163,7 @@ class SignSGDCompressor(Compressor):
     def _decompress(self, payload, shape, dtype, key):
         del key
         bits, scale = payload
-        flat = tf.where(unpack_bits(bits, _size(shape)), scale[0], -scale[0])
+        flat = scale[0] * (2.0 * _bit_values(bits, _size(shape)) - 1.0)
         return tf.reshape(tf.cast(flat, dtype), shape)
 
     def payload_dtypes(self, dtype):

@@ -118,6 +118,17 @@ class RandomKCompressor(Compressor):
         self.seed = seed
 
     def _indices(self, size, key):
+        # Encoding, its error feedback and decoding all need the same indices: drawn once
+        # per key and graph.
+        graph = tf.compat.v1.get_default_graph()
+        if getattr(self, "_cache_graph", None) is not graph or tf.executing_eagerly():
+            self._cache_graph, self._cache = graph, {}
+        cache_key = (key.ref(), size)
+        if cache_key not in self._cache:
+            self._cache[cache_key] = self._draw(size, key)
+        return self._cache[cache_key]
+
+    def _draw(self, size, key):
         k = num_selected(size, self.ratio)
         seed = key + tf.constant([self.seed, size], tf.int64)
         # Sorted: every replica must lay its values out in the same order.
