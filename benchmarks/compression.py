@@ -40,8 +40,11 @@ flags.DEFINE_bool("fast", False, "CI-sized: 1 seed, 3 epochs, fewer repeats.")
 flags.DEFINE_list("compressors", None, "Compressors to measure (default: all).")
 flags.DEFINE_list("seeds", ["0", "1", "2"], "Seeds of the accuracy runs.")
 flags.DEFINE_integer("epochs", 20, "Epochs of the digits runs.")
-flags.DEFINE_integer("timing_steps", 200, "Steps per timed fit of the step-time comparison.")
-flags.DEFINE_integer("repeats", 10, "Interleaved repeats of each timed fit.")
+flags.DEFINE_multi_enum("parts", ["exchange", "accuracy"], ["exchange", "accuracy"],
+                        "Parts to measure; the others are kept from an existing <out>.json.")
+flags.DEFINE_integer("timing_steps", 50, "Timed steps per fit of the step-time comparison.")
+flags.DEFINE_integer("repeats", 40, "Interleaved repeats of each timed fit (a quarter of "
+                     "that for each compressor against `none`).")
 
 DEVICES = ["/cpu:0", "/cpu:1"]
 TIMING_INPUT, TIMING_WIDTH, TIMING_BATCH = 256, 512, 64
@@ -98,10 +101,27 @@ def timing_model(strategy, lr=0.01):
     return model
 
 
+class _StepClock(keras.callbacks.Callback):
+    """Times training steps between batch ends, leaving out fit's set-up and the first steps."""
+
+    skip = 5
+
+    def on_train_begin(self, logs=None):
+        self.ends = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends.append(time.perf_counter())
+
+    def seconds_per_step(self):
+        ends = self.ends[self.skip:]
+        return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+
 def timed_fit(model, data, steps):
-    start = time.perf_counter()
-    history = model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0)
-    return (time.perf_counter() - start) / steps, history.history
+    clock = _StepClock()
+    history = model.fit(data, epochs=1, steps_per_epoch=steps + clock.skip, verbose=0,
+                        callbacks=[clock])
+    return clock.seconds_per_step(), history.history
 
 
 def step_times(models, data, steps, repeats):
@@ -115,33 +135,49 @@ def step_times(models, data, steps, repeats):
         for name in (names if repeat % 2 == 0 else names[::-1]):
             seconds, logs[name] = timed_fit(models[name], data, steps)
             samples[name].append(seconds)
-    return {name: statistics.median(s) for name, s in samples.items()}, logs
+    return {name: statistics.median(s) for name, s in samples.items()}, logs, samples
 
 
-def codec_seconds(comp, size, replicas=2, repeats=30):
-    """One replica's encode + decode time in one step's exchange of a `size`-float gradient.
+def real_gradients():
+    """The timing model's gradients on one batch (what a codec sees in training)."""
+    model = timing_model(tf.distribute.get_strategy())
+    x, y = next(iter(timing_data()))
+    with tf.GradientTape() as tape:
+        loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
+    return tape.gradient(loss, model.trainable_variables)
+
+
+def codec_seconds(comp, real, replicas=2, repeats=15, unroll=10):
+    """One replica's encode + decode time in one step's exchange of the gradients `real`.
 
     The replica encodes its gradient; a linear payload is then decoded once (after the
     all-reduce), any other payload once per replica (after the all-gather). Replicas run
     side by side on their own devices, so one replica's codec time is what a step waits for.
-    PowerSGD works per matrix: its cost is measured on the timing model's kernels.
+    PowerSGD works per matrix (the kernels' gradients). The
+    codec runs `unroll` times per call (on slightly different gradients), so the cost of
+    calling a tf.function is spread thin.
     """
-    if comp.elementwise:
-        shapes = [[size]]
+    if comp.elementwise:  # fused into one vector, as the exchange does
+        gradients = [tf.concat([tf.reshape(g, [-1]) for g in real], axis=0)]
     else:
-        shapes = [[TIMING_INPUT, TIMING_WIDTH], [TIMING_WIDTH, TIMING_WIDTH], [TIMING_WIDTH, 10]]
-    gradients = [tf.random.stateless_normal(s, seed=[0, i]) for i, s in enumerate(shapes)]
+        gradients = [g for g in real if comp.compressible(g.shape, g.dtype)]
+    shapes = [g.shape for g in gradients]
     states = [comp.initial_state(s, tf.float32) for s in shapes]
     key = tf.constant([1, 0], tf.int64)
     decodes = 1 if comp.linear else replicas
 
     @tf.function
     def run():
-        outputs = []
-        for gradient, state, shape in zip(gradients, states, shapes):
-            payload, _ = comp.compress(gradient, state, key)
-            outputs += [comp.decompress(payload, shape, tf.float32, key) for _ in range(decodes)]
-        return tf.add_n([tf.reduce_sum(o) for o in outputs])
+        total = tf.constant(0.0)
+        for _ in range(unroll):
+            outputs = []
+            for gradient, state, shape in zip(gradients, states, shapes):
+                # Each round depends on the last, so no round is shared or skipped.
+                payload, _ = comp.compress(gradient + 1e-12 * total, state, key)
+                outputs += [comp.decompress(payload, shape, tf.float32, key)
+                            for _ in range(decodes)]
+            total += tf.add_n([tf.reduce_sum(o) for o in outputs])
+        return total
 
     with tf.device(DEVICES[0]):
         run()
@@ -149,7 +185,7 @@ def codec_seconds(comp, size, replicas=2, repeats=30):
         for _ in range(repeats):
             start = time.perf_counter()
             run().numpy()
-            times.append(time.perf_counter() - start)
+            times.append((time.perf_counter() - start) / unroll)
     return statistics.median(times)
 
 
@@ -158,22 +194,25 @@ def measure_exchange(names, steps, repeats):
     baseline = {"tf MirroredStrategy": timing_model(tf.distribute.MirroredStrategy(DEVICES)),
                 "tfdist, compression=None": timing_model(
                     tfdist.strategies.CompressedMirroredStrategy(DEVICES))}
-    seconds, _ = step_times(baseline, data, steps, repeats)
+    seconds, _, samples = step_times(baseline, data, steps, repeats)
+    # The median of the ratios of neighbouring runs: robust to the machine's drift.
+    ratios = [a / b for a, b in zip(samples["tfdist, compression=None"],
+                                    samples["tf MirroredStrategy"])]
     result = {"model_parameters": int(baseline["tf MirroredStrategy"].count_params()),
-              "step_seconds": seconds,
-              "step_time_ratio": seconds["tfdist, compression=None"]
-              / seconds["tf MirroredStrategy"],
+              "step_seconds": seconds, "timing": {"steps": steps, "repeats": repeats},
+              "step_time_ratio": statistics.median(ratios),
               "compressors": {}}
     print(f"step time: tfdist/tf = {result['step_time_ratio']:.3f}", flush=True)
     size = result["model_parameters"]
+    real = real_gradients()
     for name in names:
         comp = compressor(name)
         models = {"none": timing_model(tfdist.strategies.CompressedMirroredStrategy(
                       DEVICES, compression="none")),
                   name: timing_model(tfdist.strategies.CompressedMirroredStrategy(
                       DEVICES, compression=comp))}
-        seconds, logs = step_times(models, data, max(5, steps // 4), max(2, repeats // 2))
-        codec = codec_seconds(comp, size)
+        seconds, logs, _ = step_times(models, data, steps, max(2, repeats // 4))
+        codec = codec_seconds(comp, real)
         entry = {
             "config": tfdist.compression.serialize(comp)["config"],
             "bytes_sent": logs[name]["bytes_sent"][-1],
@@ -297,9 +336,15 @@ def main(argv):
     seeds = [int(s) for s in FLAGS.seeds]
     epochs, steps, repeats = FLAGS.epochs, FLAGS.timing_steps, FLAGS.repeats
     if FLAGS.fast:
-        seeds, epochs, steps, repeats = seeds[:1], min(epochs, 3), min(steps, 40), 3
-    result = {"exchange": measure_exchange(names, steps, repeats),
-              "accuracy": measure_accuracy(names, seeds, epochs)}
+        seeds, epochs, steps, repeats = seeds[:1], min(epochs, 3), min(steps, 20), 4
+    result = {}
+    if set(FLAGS.parts) != {"exchange", "accuracy"}:
+        with open(FLAGS.out + ".json") as f:
+            result = json.load(f)
+    if "exchange" in FLAGS.parts:
+        result["exchange"] = measure_exchange(names, steps, repeats)
+    if "accuracy" in FLAGS.parts:
+        result["accuracy"] = measure_accuracy(names, seeds, epochs)
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     plot(result, FLAGS.out + ".png")

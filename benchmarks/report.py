@@ -136,7 +136,9 @@ def compression_section(result):
              "(target ≤ 1.03).", "",
              "Bytes one replica sends per step (from the Keras logs of training) against dense "
              "float32, the step time with the compressor against the same exchange with "
-             "`none`, and encode + decode time as a share of the step:", ""]
+             "`none`, and one replica's encode + decode time (its payload in, every payload "
+             "out, on the model's real gradients) as a share of the step. The 2 replicas share "
+             "2 cores, so a step also pays for the other replica's codec.", ""]
     rows = []
     for name, r in exchange["compressors"].items():
         rows.append([name, f"{int(r['bytes_sent']):,}", f"{r['bytes_ratio']:.1f}x",
