@@ -6,6 +6,7 @@ TopKCompressor(ratio=0.01, error_feedback=True)
 TopKCompressor(ratio=0.01, error_feedback=True)
 """
 
+from tfdist import _registry
 from tfdist.compression.base import Compressor
 
 _REGISTRY = {}
@@ -48,28 +49,7 @@ def get(identifier, **kwargs):
             raise ValueError(f"compressor arguments need a compressor name. Received: "
                              f"{sorted(kwargs)}")
         return None
-    if isinstance(identifier, Compressor):
-        if kwargs:
-            raise ValueError(f"keyword arguments go with a compressor name, not an instance. "
-                             f"Received: {sorted(kwargs)}")
-        return identifier
-    if isinstance(identifier, dict):
-        if "name" not in identifier or set(identifier) - {"name", "config"}:
-            raise ValueError(f"a compressor dict has the keys 'name' and 'config'. Received: "
-                             f"{identifier!r}")
-        kwargs = {**identifier.get("config", {}), **kwargs}
-        identifier = identifier["name"]
-    if not isinstance(identifier, str):
-        raise ValueError(f"`compression` must be a compressor name, dict, instance or None. "
-                         f"Received: {identifier!r}")
-    key = identifier.strip().lower().replace("-", "_")
-    if key not in _REGISTRY:
-        raise ValueError(f"Unknown compressor {identifier!r}. Valid names: {names()}")
-    try:
-        return _REGISTRY[key](**kwargs)
-    except TypeError as e:
-        raise ValueError(f"compressor {key!r} does not take these arguments {sorted(kwargs)}: "
-                         f"{e}") from None
+    return _registry.resolve(identifier, kwargs, _REGISTRY, "compressor", Compressor, names)
 
 
 def serialize(compressor):

@@ -12,6 +12,8 @@ import ast
 
 import tensorflow as tf
 
+from tfdist import _registry
+
 _REGISTRY = {}
 
 
@@ -50,30 +52,9 @@ def get(identifier, **kwargs):
       ValueError: the name is unknown (the message lists the valid names), or the arguments
         do not fit the strategy.
     """
-    if isinstance(identifier, tf.distribute.Strategy):
-        if kwargs:
-            raise ValueError(f"keyword arguments go with a strategy name, not an instance. "
-                             f"Received: {sorted(kwargs)}")
-        return identifier
-    if isinstance(identifier, dict):
-        unknown = set(identifier) - {"name", "config"}
-        if "name" not in identifier or unknown:
-            raise ValueError(f"a strategy dict has the keys 'name' and 'config'. Received: "
-                             f"{identifier!r}")
-        kwargs = {**identifier.get("config", {}), **kwargs}
-        identifier = identifier["name"]
-    if not isinstance(identifier, str):
-        raise ValueError(f"`identifier` must be a strategy name, dict or instance. Received: "
-                         f"{identifier!r}")
     _load_tfdist_strategies()
-    key = identifier.strip().lower().replace("-", "_")
-    if key not in _REGISTRY:
-        raise ValueError(f"Unknown strategy {identifier!r}. Valid names: {names()}")
-    try:
-        return _REGISTRY[key](**kwargs)
-    except TypeError as e:
-        raise ValueError(f"strategy {key!r} does not take these arguments {sorted(kwargs)}: "
-                         f"{e}") from None
+    return _registry.resolve(identifier, kwargs, _REGISTRY, "strategy", tf.distribute.Strategy,
+                             names)
 
 
 def parse_strategy_args(pairs):
