@@ -157,31 +157,23 @@ class Compressor:
                 with tf.device(devices[r]):
                     payloads[u][r], new_states[u][r] = self.compress(tensor, states[u][r], key)
         sent = sum_payload_bytes([p[0] for p in payloads])
-        sums = [[None] * len(unit) for unit in tensors]
+        # Every unit's payload tensors go in one collective call: summed when the payloads
+        # are linear (decoded once), else gathered (each replica's part decoded, then summed).
+        flat = [[t for unit in payloads for t in unit[r]] for r in range(len(devices))]
         if self.linear:
-            # Payload tensors of all units in one all-reduce call.
-            flat = [[t for unit in payloads for t in unit[r]] for r in range(len(devices))]
-            reduced = communicator.all_reduce(flat)
-            for r in range(len(devices)):
-                at = 0
-                for u, unit in enumerate(tensors):
-                    n = len(payloads[u][r])
-                    with tf.device(devices[r]):
-                        sums[u][r] = self.decompress(reduced[r][at:at + n], unit[r].shape,
-                                                     unit[r].dtype, key)
-                    at += n
+            received = [[tensors_r] for tensors_r in communicator.all_reduce(flat)]
         else:
-            flat = [[t for unit in payloads for t in unit[r]] for r in range(len(devices))]
-            gathered = communicator.all_gather(flat)  # [local replica][global replica][tensor]
-            for r in range(len(devices)):
-                at = 0
-                for u, unit in enumerate(tensors):
-                    n = len(payloads[u][r])
-                    with tf.device(devices[r]):
-                        parts = [self.decompress(g[at:at + n], unit[r].shape, unit[r].dtype,
-                                                 key) for g in gathered[r]]
-                        sums[u][r] = tf.add_n(parts)
-                    at += n
+            received = communicator.all_gather(flat)  # [local][global replica][tensor]
+        sums = [[None] * len(unit) for unit in tensors]
+        for r in range(len(devices)):
+            at = 0
+            for u, unit in enumerate(tensors):
+                n = len(payloads[u][r])
+                with tf.device(devices[r]):
+                    sums[u][r] = tf.add_n([
+                        self.decompress(part[at:at + n], unit[r].shape, unit[r].dtype, key)
+                        for part in received[r]])
+                at += n
         return sums, new_states, sent
 
     # Configuration -----------------------------------------------------------------------

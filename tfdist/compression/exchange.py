@@ -93,22 +93,23 @@ class StrategyCommunicator(Communicator):
         local = len(self.devices)
         count = len(tensors[0])
         static = all(t.shape.is_fully_defined() for t in tensors[0])
-        wires, sizes = [], []
+        wires = []
         for r in range(local):
             with tf.device(self.devices[r]):
                 wires.append(tf.concat([_to_wire(t) for t in tensors[r]], axis=0))
-                sizes.append(tf.stack([tf.size(t) for t in tensors[r]]))
         gathered = self.strategy.gather(self._per_replica(wires), axis=0)
-        dtypes = [t.dtype for t in tensors[0]]
         if static:
             elements = [[t.shape.num_elements() for t in tensors[0]]] * self.num_replicas
-            words = [[_num_words(n, d) for n, d in zip(row, dtypes)] for row in elements]
-        else:
+        else:  # the sizes follow the data: gather them too
+            sizes = []
+            for r in range(local):
+                with tf.device(self.devices[r]):
+                    sizes.append(tf.stack([tf.size(t) for t in tensors[r]]))
             all_sizes = tf.reshape(self.strategy.gather(self._per_replica(sizes), axis=0),
                                    [self.num_replicas, count])
             elements = [tf.unstack(row) for row in tf.unstack(all_sizes)]
-            words = [[(n * tf.as_dtype(d).size + 3) // 4 for n, d in zip(row, dtypes)]
-                     for row in elements]
+        dtypes = [t.dtype for t in tensors[0]]
+        words = [[_num_words(n, d) for n, d in zip(row, dtypes)] for row in elements]
         totals = [sum(row) for row in words] if static else tf.stack(
             [tf.add_n(row) for row in words])
         results = []
@@ -235,13 +236,12 @@ class GradientExchange:
                         pieces = [unit_sums[r]]
                     for i, piece in zip(unit, pieces):
                         result[i][r] = tf.reshape(piece, gradients[i][r].shape)
-        passthrough_bytes = 0
+        passthrough_bytes = sum(gradients[i][0].shape.num_elements() * gradients[i][0].dtype.size
+                                for i in passthrough)
         if passthrough:
             reduced = communicator.all_reduce([[gradients[i][r] for i in passthrough]
                                                for r in replicas])
             for j, i in enumerate(passthrough):
-                passthrough_bytes += gradients[i][0].shape.num_elements() * gradients[i][
-                    0].dtype.size
                 for r in replicas:
                     result[i][r] = reduced[r][j]
         with tf.control_dependencies(updates):

@@ -13,6 +13,7 @@ Payload sizes are for a gradient of n elements (b bytes each):
 | `qsgd` | int8 signed levels + L2 norm | n + 4 | no |
 """
 
+import abc
 import math
 
 import numpy as np
@@ -114,7 +115,43 @@ class BF16Compressor(FP16Compressor):
     wire_dtype = tf.bfloat16
 
 
-class OneBitCompressor(Compressor):
+class _SignBitsCompressor(Compressor, abc.ABC):
+    """Sends each element's sign as one bit, plus `num_scales` float32 reconstruction values.
+
+    A set bit decodes to `high`, a clear one to `low` (from `_levels`).
+    Payload: ceil(n/8) bytes of bits + 4 * num_scales bytes.
+    """
+
+    num_scales = 1
+
+    @abc.abstractmethod
+    def _scales(self, flat):
+        """The float32 values sent with the bits, shape [num_scales]."""
+
+    @abc.abstractmethod
+    def _levels(self, scales):
+        """(high, low): what a set and a clear bit decode to."""
+
+    def _compress(self, tensor, state, key):
+        del state, key
+        flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
+        return (pack_bits(flat >= 0), self._scales(flat)), {}
+
+    def _decompress(self, payload, shape, dtype, key):
+        del key
+        bits, scales = payload
+        high, low = self._levels(scales)
+        flat = low + _bit_values(bits, _size(shape)) * (high - low)
+        return tf.reshape(tf.cast(flat, dtype), shape)
+
+    def payload_dtypes(self, dtype):
+        return (tf.uint8, tf.float32)
+
+    def payload_bytes(self, shape, dtype):
+        return math.ceil(_size(tf.TensorShape(shape)) / 8) + 4 * self.num_scales
+
+
+class OneBitCompressor(_SignBitsCompressor):
     """1-bit quantisation with error feedback (Seide et al. 2014).
 
     Each element is sent as its sign; a positive one decodes to the mean of the positive
@@ -123,31 +160,20 @@ class OneBitCompressor(Compressor):
     """
 
     name = "onebit"
+    num_scales = 2
 
-    def _compress(self, tensor, state, key):
-        del state, key
-        flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
-        positive = flat >= 0
-        pos = tf.cast(positive, tf.float32)
+    def _scales(self, flat):
+        pos = tf.cast(flat >= 0, tf.float32)
         pos_mean = tf.math.divide_no_nan(tf.reduce_sum(flat * pos), tf.reduce_sum(pos))
         neg_mean = tf.math.divide_no_nan(tf.reduce_sum(flat * (1 - pos)),
                                          tf.reduce_sum(1 - pos))
-        return (pack_bits(positive), tf.stack([pos_mean, neg_mean])), {}
+        return tf.stack([pos_mean, neg_mean])
 
-    def _decompress(self, payload, shape, dtype, key):
-        del key
-        bits, means = payload
-        flat = means[1] + _bit_values(bits, _size(shape)) * (means[0] - means[1])
-        return tf.reshape(tf.cast(flat, dtype), shape)
-
-    def payload_dtypes(self, dtype):
-        return (tf.uint8, tf.float32)
-
-    def payload_bytes(self, shape, dtype):
-        return math.ceil(_size(tf.TensorShape(shape)) / 8) + 8
+    def _levels(self, scales):
+        return scales[0], scales[1]
 
 
-class SignSGDCompressor(Compressor):
+class SignSGDCompressor(_SignBitsCompressor):
     """Scaled sign (EF-SignSGD, Karimireddy et al. 2019): sign(x) * mean|x|.
 
     Payload: ceil(n/8) bytes of bits + 4 bytes of scale.
@@ -155,22 +181,11 @@ class SignSGDCompressor(Compressor):
 
     name = "signsgd"
 
-    def _compress(self, tensor, state, key):
-        del state, key
-        flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
-        return (pack_bits(flat >= 0), tf.reduce_mean(tf.abs(flat))[None]), {}
+    def _scales(self, flat):
+        return tf.reduce_mean(tf.abs(flat))[None]
 
-    def _decompress(self, payload, shape, dtype, key):
-        del key
-        bits, scale = payload
-        flat = scale[0] * (2.0 * _bit_values(bits, _size(shape)) - 1.0)
-        return tf.reshape(tf.cast(flat, dtype), shape)
-
-    def payload_dtypes(self, dtype):
-        return (tf.uint8, tf.float32)
-
-    def payload_bytes(self, shape, dtype):
-        return math.ceil(_size(tf.TensorShape(shape)) / 8) + 4
+    def _levels(self, scales):
+        return scales[0], -scales[0]
 
 
 class TernGradCompressor(Compressor):

@@ -14,6 +14,7 @@ strategy's `reduce` accepts both. No Keras code is patched.
 """
 
 import itertools
+import os
 
 import tensorflow as tf
 
@@ -47,13 +48,16 @@ class _CompressedExchangeMixin:
         return result
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        strategy = self._container_strategy()
         values = [value for value, _ in value_destination_pairs]
+        local = [list(strategy.experimental_local_results(v)) for v in values]
+        # Sparse gradients (IndexedSlices, per replica or not) and already-mirrored values take
+        # TF's own path, as do reductions other than sums and means.
         if (self._exchange is None or reduce_op not in (tf.distribute.ReduceOp.SUM,
                                                         tf.distribute.ReduceOp.MEAN)
-                or any(isinstance(v, (tf.IndexedSlices, _tf_compat.Mirrored)) for v in values)):
+                or any(isinstance(v, _tf_compat.Mirrored) for v in values)
+                or any(isinstance(c, tf.IndexedSlices) for row in local for c in row)):
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
-        strategy = self._container_strategy()
-        local = [list(strategy.experimental_local_results(v)) for v in values]
         communicator = StrategyCommunicator(strategy, super()._batch_reduce_to, options)
         sums, stats = self._exchange.all_reduce(local, communicator)
         if reduce_op == tf.distribute.ReduceOp.MEAN:
@@ -129,8 +133,6 @@ class MultiWorkerMirroredExtended(_CompressedExchangeMixin,
 
 def _check_tf_config():
     """A clear error for a TF_CONFIG this strategy cannot use (rather than a hang in TF)."""
-    import os
-
     if not os.environ.get("TF_CONFIG"):
         return
     config = cluster_config.parse_tf_config()
