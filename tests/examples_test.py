@@ -32,19 +32,22 @@ class TrainDigitsTest(tf.test.TestCase):
         self.assertEqual(cluster["history"]["dropped_gradients"][-1], 0)
 
     def test_async_and_model_averaging_train_digits(self):
+        # The example's default 20 epochs: at 10 epochs both modes end at 0.930-0.936 (5 async
+        # runs, 2 averaging runs measured), too close to the bound; at 20 epochs 0.953-0.967.
         for strategy, extra in (("async", ["--strategy_arg=staleness=inverse"]),
                                 ("model_averaging", ["--strategy_arg=period=4"])):
             result = self._accuracy(sys.executable, "-m", "tfdist.launch", "--local",
                                     "--num_ps=1", "--num_workers=2", "--timeout=300", "--",
-                                    flags=[f"--strategy={strategy}", "--epochs=10", *extra])
+                                    flags=[f"--strategy={strategy}", *extra])
             self.assertEqual(result["strategy"], strategy)
             self.assertGreater(result["test_accuracy"], 0.93, strategy)
 
     def test_multi_worker_mirrored_with_compression_trains_digits(self):
+        # 20 epochs: 0.964 (10 epochs gave 0.933, too close to the bound).
         result = self._accuracy(sys.executable, "-m", "tfdist.launch", "--local", "--num_ps=0",
                                 "--num_workers=2", "--timeout=300", "--",
                                 flags=["--strategy=multi_worker_mirrored", "--compression=topk",
-                                       "--compression_arg=ratio=0.05", "--epochs=10"])
+                                       "--compression_arg=ratio=0.05"])
         self.assertEqual((result["strategy"], result["compression"]),
                          ("multi_worker_mirrored", "topk"))
         self.assertGreater(result["test_accuracy"], 0.93)
