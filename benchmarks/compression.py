@@ -151,7 +151,8 @@ def codec_seconds(comp, real, replicas=2, repeats=15, unroll=10):
     """One replica's encode + decode time in one step's exchange of the gradients `real`.
 
     The replica encodes its gradient; a linear payload is then decoded once (after the
-    all-reduce), any other payload once per replica (after the all-gather). Replicas run
+    all-reduce), the others' parts together (`decompress_sum`, after the all-gather), as
+    `Compressor.exchange` does. Replicas run
     side by side on their own devices, so one replica's codec time is what a step waits for.
     PowerSGD works per matrix (the kernels' gradients). The
     codec runs `unroll` times per call (on slightly different gradients), so the cost of
@@ -164,7 +165,7 @@ def codec_seconds(comp, real, replicas=2, repeats=15, unroll=10):
     shapes = [g.shape for g in gradients]
     states = [comp.initial_state(s, tf.float32) for s in shapes]
     key = tf.constant([1, 0], tf.int64)
-    decodes = 1 if comp.linear else replicas
+    parts = 1 if comp.linear else replicas
 
     @tf.function
     def run():
@@ -174,8 +175,7 @@ def codec_seconds(comp, real, replicas=2, repeats=15, unroll=10):
             for gradient, state, shape in zip(gradients, states, shapes):
                 # Each round depends on the last, so no round is shared or skipped.
                 payload, _ = comp.compress(gradient + 1e-12 * total, state, key)
-                outputs += [comp.decompress(payload, shape, tf.float32, key)
-                            for _ in range(decodes)]
+                outputs.append(comp.decompress_sum([payload] * parts, shape, tf.float32, key))
             total += tf.add_n([tf.reduce_sum(o) for o in outputs])
         return total
 

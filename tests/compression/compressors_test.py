@@ -85,6 +85,17 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
         # sent + new residual == gradient + old residual
         self.assertAllClose(sent + new_state["residual"], x + state["residual"], atol=1e-5)
 
+    @parameterized.parameters(ALL)
+    def test_decompress_sum_is_the_sum_of_the_parts(self, name):
+        # What a replica does with the parts of an all-gather (sparse ones: one segment sum).
+        compressor = tfdist.compression.get(name)
+        key = tf.constant([4, 0], tf.int64)
+        payloads = [compressor.compress(tf.random.stateless_normal([64, 32], seed=[i, 9]),
+                                        key=key)[0] for i in range(3)]
+        parts = [compressor.decompress(p, [64, 32], tf.float32, key) for p in payloads]
+        self.assertAllClose(compressor.decompress_sum(payloads, [64, 32], tf.float32, key),
+                            tf.add_n(parts), atol=1e-6)
+
     def test_dgc_accumulation_invariant(self):
         compressor = tfdist.compression.get("dgc", ratio=0.05, momentum=0.9)
         x = tf.random.stateless_normal([50, 20], seed=[9, 1])

@@ -78,6 +78,18 @@ class Compressor:
         del key
         return tf.reshape(tf.cast(payload[0], dtype), shape)
 
+    def _residual(self, compensated, payload, key):
+        """What error feedback keeps: `compensated` minus what `payload` decodes to.
+
+        Subclasses may compute the same tensor more cheaply (a sparsifier zeroes the sent
+        elements instead of decoding and subtracting).
+        """
+        sent = self._decompress(payload, compensated.shape, compensated.dtype, key)
+        return self.memory.update(compensated, sent)
+
+    def _decompress_sum(self, payloads, shape, dtype, key):
+        return tf.add_n([self._decompress(p, shape, dtype, key) for p in payloads])
+
     def payload_dtypes(self, dtype):
         """The dtypes of a payload's tensors, for a gradient of `dtype`."""
         return (tf.as_dtype(dtype),)
@@ -124,8 +136,7 @@ class Compressor:
         payload, new_state = self._compress(tensor, state, key)
         new_state = {**state, **new_state}
         if memory:
-            sent = self._decompress(payload, tensor.shape, tensor.dtype, key)
-            new_state["residual"] = self.memory.update(tensor, sent)
+            new_state["residual"] = self._residual(tensor, tuple(payload), key)
         return tuple(payload), new_state
 
     def decompress(self, payload, shape, dtype, key=None):
@@ -134,6 +145,20 @@ class Compressor:
             return tf.reshape(payload[0], shape)
         return self._decompress(tuple(payload), tf.TensorShape(shape), tf.as_dtype(dtype),
                                 _key(key))
+
+    def decompress_sum(self, payloads, shape, dtype, key=None):
+        """The sum of what several replicas' `payloads` decode to (one decode if possible).
+
+        What a replica does with an all-gather's parts. Sparse compressors add all parts'
+        values in one segment sum instead of decoding each part to a dense tensor.
+        """
+        payloads = [tuple(p) for p in payloads]
+        if not self.compressible(shape, dtype):
+            return tf.reshape(tf.add_n([p[0] for p in payloads]), shape)
+        if len(payloads) == 1:
+            return self.decompress(payloads[0], shape, dtype, key)
+        return self._decompress_sum(payloads, tf.TensorShape(shape), tf.as_dtype(dtype),
+                                    _key(key))
 
     def exchange(self, tensors, states, communicator, key):
         """Sums `tensors` over every replica of the job through `communicator`.
@@ -170,9 +195,8 @@ class Compressor:
             for u, unit in enumerate(tensors):
                 n = len(payloads[u][r])
                 with tf.device(devices[r]):
-                    sums[u][r] = tf.add_n([
-                        self.decompress(part[at:at + n], unit[r].shape, unit[r].dtype, key)
-                        for part in received[r]])
+                    sums[u][r] = self.decompress_sum([part[at:at + n] for part in received[r]],
+                                                     unit[r].shape, unit[r].dtype, key)
                 at += n
         return sums, new_states, sent
 

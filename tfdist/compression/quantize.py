@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from tfdist.compression.base import Compressor
 
-# Lookup tables (byte -> its 8 bits / its 4 two-bit codes) are made on first use: a tensor
+# Lookup tables (byte -> its 8 bits / its 4 ternary values) are made on first use: a tensor
 # made at import would start TF's context before a multi-worker strategy configures it.
 _TABLES = {}
 
@@ -31,39 +31,48 @@ def _table(name):
         byte = np.arange(256, dtype=np.uint8)[:, None]
         if name == "bits":
             _TABLES[name] = np.unpackbits(byte, axis=1).astype(np.float32)
-        else:
-            _TABLES[name] = ((byte >> np.array([6, 4, 2, 0], np.uint8)) & 3).astype(np.int32)
+        else:  # 2-bit codes, minus one: TernGrad's 0, 1, 2 stand for -1, 0, 1
+            codes = (byte >> np.array([6, 4, 2, 0], np.uint8)) & 3
+            _TABLES[name] = codes.astype(np.float32) - 1
     return tf.constant(_TABLES[name])
+
+
+def _pack(codes, per_byte):
+    """Packs a float vector of small integer codes into uint8, `per_byte` codes per byte.
+
+    The first code takes the most significant bits. A byte is the dot product of its codes
+    with the place values (exact in float32), so packing is one matrix-vector product, about
+    twice as fast on CPU as shifting and summing uint8 lanes.
+    """
+    codes = tf.reshape(codes, [-1])
+    codes = tf.pad(codes, [[0, (per_byte - tf.size(codes) % per_byte) % per_byte]])
+    bits = 8 // per_byte
+    places = tf.constant([2.0 ** (bits * i) for i in reversed(range(per_byte))], tf.float32)
+    return tf.cast(tf.linalg.matvec(tf.reshape(codes, [-1, per_byte]), places), tf.uint8)
+
+
+def _unpack(name, packed, size):
+    return tf.reshape(tf.gather(_table(name), tf.cast(packed, tf.int32)), [-1])[:size]
 
 
 def pack_bits(bits):
     """Packs a boolean vector into uint8, eight per byte (most significant first)."""
-    bits = tf.cast(tf.reshape(bits, [-1]), tf.uint8)
-    bits = tf.pad(bits, [[0, (8 - tf.size(bits) % 8) % 8]])
-    shifts = tf.constant([7, 6, 5, 4, 3, 2, 1, 0], tf.uint8)
-    return tf.reduce_sum(tf.bitwise.left_shift(tf.reshape(bits, [-1, 8]), shifts), axis=1)
-
-
-def _bit_values(packed, size):
-    """The first `size` bits of a `pack_bits` vector, as float32 0 / 1 (one table lookup)."""
-    return tf.reshape(tf.gather(_table("bits"), tf.cast(packed, tf.int32)), [-1])[:size]
+    return _pack(tf.cast(bits, tf.float32), 8)
 
 
 def unpack_bits(packed, size):
-    """The first `size` booleans of a `pack_bits` vector."""
-    return _bit_values(packed, size) > 0
+    """The first `size` booleans of a `pack_bits` vector (one table lookup)."""
+    return _unpack("bits", packed, size) > 0
 
 
 def pack_pairs(codes):
     """Packs a vector of 2-bit codes (ints 0..3) into uint8, four per byte."""
-    codes = tf.cast(tf.reshape(codes, [-1]), tf.uint8)
-    codes = tf.pad(codes, [[0, (4 - tf.size(codes) % 4) % 4]])
-    shifts = tf.constant([6, 4, 2, 0], tf.uint8)
-    return tf.reduce_sum(tf.bitwise.left_shift(tf.reshape(codes, [-1, 4]), shifts), axis=1)
+    return _pack(tf.cast(codes, tf.float32), 4)
 
 
 def unpack_pairs(packed, size):
-    return tf.reshape(tf.gather(_table("pairs"), tf.cast(packed, tf.int32)), [-1])[:size]
+    """The first `size` 2-bit codes of a `pack_pairs` vector (one table lookup)."""
+    return tf.cast(_unpack("pairs", packed, size), tf.int32) + 1
 
 
 def _size(shape):
@@ -125,8 +134,8 @@ class _SignBitsCompressor(Compressor, abc.ABC):
     num_scales = 1
 
     @abc.abstractmethod
-    def _scales(self, flat):
-        """The float32 values sent with the bits, shape [num_scales]."""
+    def _scales(self, flat, positive):
+        """The float32 values sent with the bits, shape [num_scales] (`positive`: x >= 0)."""
 
     @abc.abstractmethod
     def _levels(self, scales):
@@ -135,14 +144,22 @@ class _SignBitsCompressor(Compressor, abc.ABC):
     def _compress(self, tensor, state, key):
         del state, key
         flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
-        return (pack_bits(flat >= 0), self._scales(flat)), {}
+        positive = tf.cast(flat >= 0, tf.float32)
+        return (_pack(positive, 8), self._scales(flat, positive)), {}
 
     def _decompress(self, payload, shape, dtype, key):
         del key
         bits, scales = payload
         high, low = self._levels(scales)
-        flat = low + _bit_values(bits, _size(shape)) * (high - low)
+        flat = tf.where(_unpack("bits", bits, _size(shape)) > 0, high, low)
         return tf.reshape(tf.cast(flat, dtype), shape)
+
+    def _residual(self, compensated, payload, key):
+        # What the payload decodes to, from the signs at hand instead of the packed bits.
+        high, low = self._levels(payload[1])
+        flat = tf.cast(compensated, tf.float32)
+        sent = tf.cast(tf.where(flat >= 0, high, low), compensated.dtype)
+        return self.memory.update(compensated, sent)
 
     def payload_dtypes(self, dtype):
         return (tf.uint8, tf.float32)
@@ -162,12 +179,13 @@ class OneBitCompressor(_SignBitsCompressor):
     name = "onebit"
     num_scales = 2
 
-    def _scales(self, flat):
-        pos = tf.cast(flat >= 0, tf.float32)
-        pos_mean = tf.math.divide_no_nan(tf.reduce_sum(flat * pos), tf.reduce_sum(pos))
-        neg_mean = tf.math.divide_no_nan(tf.reduce_sum(flat * (1 - pos)),
-                                         tf.reduce_sum(1 - pos))
-        return tf.stack([pos_mean, neg_mean])
+    def _scales(self, flat, positive):
+        count = tf.reduce_sum(positive)
+        size = tf.cast(tf.size(flat), tf.float32)
+        positive_sum = tf.reduce_sum(tf.nn.relu(flat))
+        negative_sum = tf.reduce_sum(tf.minimum(flat, 0.0))
+        return tf.stack([tf.math.divide_no_nan(positive_sum, count),
+                         tf.math.divide_no_nan(negative_sum, size - count)])
 
     def _levels(self, scales):
         return scales[0], scales[1]
@@ -181,7 +199,8 @@ class SignSGDCompressor(_SignBitsCompressor):
 
     name = "signsgd"
 
-    def _scales(self, flat):
+    def _scales(self, flat, positive):
+        del positive
         return tf.reduce_mean(tf.abs(flat))[None]
 
     def _levels(self, scales):
@@ -203,15 +222,17 @@ class TernGradCompressor(Compressor):
     def _compress(self, tensor, state, key):
         del state, key
         flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
-        scale = tf.reduce_max(tf.abs(flat))
-        keep = tf.random.uniform(tf.shape(flat)) < tf.math.divide_no_nan(tf.abs(flat), scale)
-        ternary = tf.where(keep, tf.sign(flat), 0.0)
-        return (pack_pairs(tf.cast(ternary, tf.int32) + 1), scale[None]), {}
+        magnitude = tf.abs(flat)
+        scale = tf.reduce_max(magnitude)
+        # P(keep) = |x| / s, without a division (s = 0 keeps nothing).
+        keep = tf.random.uniform(tf.shape(flat)) * scale < magnitude
+        codes = tf.where(keep, tf.sign(flat) + 1, 1.0)  # 0, 1, 2 for -1, 0, 1
+        return (_pack(codes, 4), scale[None]), {}
 
     def _decompress(self, payload, shape, dtype, key):
         del key
         codes, scale = payload
-        flat = tf.cast(unpack_pairs(codes, _size(shape)) - 1, tf.float32) * scale[0]
+        flat = _unpack("pairs", codes, _size(shape)) * scale[0]
         return tf.reshape(tf.cast(flat, dtype), shape)
 
     def payload_dtypes(self, dtype):
@@ -244,9 +265,9 @@ class QSGDCompressor(Compressor):
         del state, key
         flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
         norm = tf.norm(flat)
-        scaled = tf.math.divide_no_nan(tf.abs(flat), norm) * self.levels
-        level = tf.floor(scaled + tf.random.uniform(tf.shape(flat)))
-        codes = tf.cast(tf.sign(flat) * tf.minimum(level, self.levels), tf.int8)
+        scaled = tf.abs(flat) * tf.math.divide_no_nan(float(self.levels), norm)
+        level = tf.minimum(tf.floor(scaled + tf.random.uniform(tf.shape(flat))), self.levels)
+        codes = tf.cast(tf.where(flat < 0, -level, level), tf.int8)
         return (codes, norm[None]), {}
 
     def _decompress(self, payload, shape, dtype, key):
