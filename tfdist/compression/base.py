@@ -188,7 +188,8 @@ class Compressor:
         if self.linear:
             received = [[tensors_r] for tensors_r in communicator.all_reduce(flat)]
         else:
-            received = communicator.all_gather(flat)  # [local][global replica][tensor]
+            # [local][global replica][tensor]
+            received = communicator.all_gather(flat, sizes_vary=self.variable_size)
         sums = [[None] * len(unit) for unit in tensors]
         for r in range(len(devices)):
             at = 0
@@ -229,10 +230,11 @@ class Communicator(abc.ABC):
         """Returns, per local replica, the element-wise sums over all replicas."""
 
     @abc.abstractmethod
-    def all_gather(self, tensors):
+    def all_gather(self, tensors, sizes_vary=False):
         """Returns, per local replica, every replica's list of tensors (global order).
 
-        The tensors' first dimension may differ between replicas.
+        With `sizes_vary` (or shapes unknown at trace time) the tensors' first dimension
+        may differ between replicas; they then come back flat.
         """
 
 

@@ -89,10 +89,11 @@ class StrategyCommunicator(Communicator):
                     results[r][j] = component
         return results
 
-    def all_gather(self, tensors):
+    def all_gather(self, tensors, sizes_vary=False):
         local = len(self.devices)
         count = len(tensors[0])
-        static = all(t.shape.is_fully_defined() for t in tensors[0])
+        # Eager tensors always have a full shape: only the compressor knows it may vary.
+        static = not sizes_vary and all(t.shape.is_fully_defined() for t in tensors[0])
         wires = []
         for r in range(local):
             with tf.device(self.devices[r]):
@@ -123,7 +124,7 @@ class StrategyCommunicator(Communicator):
                     replica = []
                     for piece, n, like in zip(pieces, e_row, tensors[r]):
                         value = _from_wire(piece, like.dtype, n)
-                        if like.shape.is_fully_defined():
+                        if not sizes_vary and like.shape.is_fully_defined():
                             value = tf.reshape(value, like.shape)
                         replica.append(value)
                     replicas.append(replica)

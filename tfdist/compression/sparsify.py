@@ -311,12 +311,10 @@ class DGCCompressor(TopKCompressor):
         else:
             k = tf.maximum(1, tf.cast(tf.floor(self._density(state["step"]) * size), tf.int32))
         indices = top_k_indices(tf.abs(accumulation), k)
-        keep = tf.tensor_scatter_nd_update(tf.ones([size], flat.dtype), indices[:, None],
-                                           tf.zeros(tf.shape(indices), flat.dtype))
         shape = tensor.shape
-        new_state = {
-            "velocity": tf.reshape(velocity * keep, shape),
-            "accumulation": tf.reshape(accumulation * keep, shape),
+        new_state = {  # both cleared where sent (momentum factor masking)
+            "velocity": _without(tf.reshape(velocity, shape), indices),
+            "accumulation": _without(tf.reshape(accumulation, shape), indices),
             "step": state["step"] + 1,
         }
         return (tf.gather(accumulation, indices), indices), new_state
