@@ -41,7 +41,9 @@ class Compressor:
     vector of two that is the same where a payload is made and where it is decoded (the
     exchange's step counter; on the ps path the push's step and worker rank): compressors
     that choose elements at random (random-k) derive their choice from it, so that the
-    indices need not travel.
+    indices need not travel. They may override `_residual` (error feedback's new residual)
+    and `_decompress_sum` (several payloads decoded and summed) with cheaper computations of
+    the same values.
 
     Attributes:
       linear: payloads of several replicas can be summed, then decoded once (all-reduce).
