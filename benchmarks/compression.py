@@ -124,17 +124,25 @@ def timed_fit(model, data, steps):
     return clock.seconds_per_step(), history.history
 
 
-def step_times(models, data, steps, repeats):
-    """Seconds per step of each model: interleaved repeats (A B B A ...), median."""
+def step_times(models, data, steps, repeats, timers=None):
+    """Seconds per step of each model: interleaved repeats (A B B A ...), median.
+
+    `timers` (name -> a function returning seconds) are sampled once per repeat, right after
+    the fits, so that their samples can be paired with the steps of the same repeat (this
+    machine's speed drifts by 2x over minutes).
+    """
+    timers = timers or {}
     for model in models.values():  # trace and warm up
         timed_fit(model, data, 5)
-    samples = {name: [] for name in models}
+    samples = {name: [] for name in [*models, *timers]}
     logs = {}
     names = list(models)
     for repeat in range(repeats):
         for name in (names if repeat % 2 == 0 else names[::-1]):
             seconds, logs[name] = timed_fit(models[name], data, steps)
             samples[name].append(seconds)
+        for name, timer in timers.items():
+            samples[name].append(timer())
     return {name: statistics.median(s) for name, s in samples.items()}, logs, samples
 
 
@@ -147,16 +155,16 @@ def real_gradients():
     return tape.gradient(loss, model.trainable_variables)
 
 
-def codec_seconds(comp, real, replicas=2, repeats=15, unroll=10):
-    """One replica's encode + decode time in one step's exchange of the gradients `real`.
+def codec_timer(comp, real, replicas=2, repeats=5, unroll=10):
+    """A function that measures one replica's encode + decode time for the gradients `real`.
 
     The replica encodes its gradient; a linear payload is then decoded once (after the
-    all-reduce), the others' parts together (`decompress_sum`, after the all-gather), as
-    `Compressor.exchange` does. Replicas run
-    side by side on their own devices, so one replica's codec time is what a step waits for.
-    PowerSGD works per matrix (the kernels' gradients). The
-    codec runs `unroll` times per call (on slightly different gradients), so the cost of
-    calling a tf.function is spread thin.
+    all-reduce), every replica's part of any other payload together (`decompress_sum`,
+    after the all-gather), as `Compressor.exchange` does. Replicas run side by side on
+    their own devices, so one replica's codec time is what a step waits for. PowerSGD works
+    per matrix (the kernels' gradients). The codec runs `unroll` times per call (on slightly
+    different gradients), so the cost of calling a tf.function is spread thin; a
+    measurement is the median of `repeats` calls.
     """
     if comp.elementwise:  # fused into one vector, as the exchange does
         gradients = [tf.concat([tf.reshape(g, [-1]) for g in real], axis=0)]
@@ -179,14 +187,18 @@ def codec_seconds(comp, real, replicas=2, repeats=15, unroll=10):
             total += tf.add_n([tf.reduce_sum(o) for o in outputs])
         return total
 
+    def seconds():
+        with tf.device(DEVICES[0]):
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run().numpy()
+                times.append((time.perf_counter() - start) / unroll)
+        return statistics.median(times)
+
     with tf.device(DEVICES[0]):
-        run()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            run().numpy()
-            times.append((time.perf_counter() - start) / unroll)
-    return statistics.median(times)
+        run()  # trace
+    return seconds
 
 
 def measure_exchange(names, steps, repeats):
@@ -211,8 +223,10 @@ def measure_exchange(names, steps, repeats):
                       DEVICES, compression="none")),
                   name: timing_model(tfdist.strategies.CompressedMirroredStrategy(
                       DEVICES, compression=comp))}
-        seconds, logs, _ = step_times(models, data, steps, max(2, repeats // 4))
-        codec = codec_seconds(comp, real)
+        seconds, logs, samples = step_times(models, data, steps, max(2, repeats // 4),
+                                            timers={"codec": codec_timer(comp, real)})
+        # Each repeat's codec time over the same repeat's step time, median.
+        share = statistics.median(c / t for c, t in zip(samples["codec"], samples[name]))
         entry = {
             "config": tfdist.compression.serialize(comp)["config"],
             "bytes_sent": logs[name]["bytes_sent"][-1],
@@ -222,8 +236,8 @@ def measure_exchange(names, steps, repeats):
             else None,
             "step_seconds": seconds[name],
             "step_seconds_uncompressed": seconds["none"],
-            "codec_seconds": codec,
-            "codec_share": codec / seconds[name],
+            "codec_seconds": seconds["codec"],
+            "codec_share": share,
         }
         result["compressors"][name] = entry
         print(f"{name}: bytes x{entry['bytes_ratio']:.1f}, step {1000 * seconds[name]:.2f} ms "
