@@ -25,6 +25,7 @@ def define_flags():
     flags.DEFINE_string("compression", None, "Compressor name (None: no compression).")
     flags.DEFINE_integer("epochs", 2, "Epochs.")
     flags.DEFINE_integer("steps_per_execution", 1, "Keras steps_per_execution.")
+    flags.DEFINE_bool("run_eagerly", False, "Keras run_eagerly.")
 
 ROWS, BATCH = 128, 32
 
@@ -36,12 +37,13 @@ def data():
     return x, y
 
 
-def build_model(steps_per_execution=1):
+def build_model(steps_per_execution=1, run_eagerly=False):
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
                               keras.layers.Dense(2, activation="softmax")])
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"], steps_per_execution=steps_per_execution)
+                  metrics=["accuracy"], steps_per_execution=steps_per_execution,
+                  run_eagerly=run_eagerly)
     return model
 
 
@@ -56,7 +58,7 @@ def main(argv):
     strategy = tfdist.strategies.get("multi_worker_mirrored", compression=FLAGS.compression)
     config = tfdist.cluster.parse_tf_config()
     with strategy.scope():
-        model = build_model(FLAGS.steps_per_execution)
+        model = build_model(FLAGS.steps_per_execution, FLAGS.run_eagerly)
     history = model.fit(dataset(), epochs=FLAGS.epochs, verbose=2)
     evaluation = model.evaluate(dataset(), verbose=0, return_dict=True)
     x, _ = data()

@@ -166,12 +166,14 @@ def load(out_dir, name):
 class MultiWorkerTest(tf.test.TestCase):
     """Two worker processes on localhost, through the launcher, with Keras 3 `fit`."""
 
-    def reference(self):
+    def reference(self, compression=None):
         # One process, two replicas, the same global batches: tf.data gives worker i the
         # i-th half of each global batch, as MirroredStrategy gives it to replica i.
         if not two_devices():
             self.skipTest("needs two logical CPUs (set by tests/conftest.py)")
-        with tf.distribute.MirroredStrategy(DEVICES).scope():
+        strategy = (tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression)
+                    if compression else tf.distribute.MirroredStrategy(DEVICES))
+        with strategy.scope():
             model = collective_program.build_model()
         model.fit(collective_program.dataset(), epochs=2, verbose=0)
         return model.get_weights()
@@ -207,6 +209,19 @@ class MultiWorkerTest(tf.test.TestCase):
         self.assertEqual(result.returncode, 0, log)
         for expected, got in zip(self.reference(), load(out, "worker_0.json")["weights"]):
             self.assertAllClose(expected, got, atol=1e-3, rtol=0)
+
+    def test_run_eagerly_with_variable_size_payloads(self):
+        # Eager steps see fully defined shapes; threshold payloads differ in size per worker.
+        out = self.get_temp_dir()
+        result, log = run_workers(out, "--run_eagerly", "--compression=threshold")
+        self.assertEqual(result.returncode, 0, log)
+        chief, other = load(out, "worker_0.json"), load(out, "worker_1.json")
+        expected = self.reference("threshold")
+        for want, a, b in zip(expected, chief["weights"], other["weights"]):
+            self.assertAllEqual(a, b)
+            self.assertAllClose(want, a, rtol=1e-5, atol=1e-6)
+        self.assertGreater(chief["history"]["bytes_sent"][-1], 0)
+        self.assertLess(chief["history"]["bytes_sent"][-1], chief["history"]["bytes_dense"][-1])
 
     def test_steps_per_execution_is_a_clear_error(self):
         out = self.get_temp_dir()
