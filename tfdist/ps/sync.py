@@ -317,13 +317,17 @@ class Updater:
     def _apply_state(self, state):
         """Applies the mean gradient with the user's optimizer, then releases the workers.
 
-        For model averaging the mean is the new model, and the step counts rounds.
+        For model averaging the mean is the new model (with a compressor: the mean change
+        of the models since the last round, added to it), and the step counts rounds.
         """
         res = self.resources
         gradient = state["total"] / tf.cast(state["accepted"], tf.float32)
         if self.policy.averages_weights:
             for variable, value in zip(self.layout.variables, self.layout.unflatten(gradient)):
-                variable.assign(value)
+                if res.compressor is None:
+                    variable.assign(value)
+                else:
+                    variable.assign_add(value)
             return self._record_and_release(state, res.progress[STAT_STEP] + 1)
         if self._weights_read is not None:
             gradient = delay_compensated(

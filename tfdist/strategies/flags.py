@@ -33,7 +33,7 @@ def define_flags(default="one_device", flag_values=flags.FLAGS):
     flags.DEFINE_string(
         "compression", None,
         "Gradient compression for strategies that take `compression=` (compressed_mirrored, "
-        "multi_worker_mirrored, soft_sync, async): one of " + ", ".join(
+        "multi_worker_mirrored, soft_sync, async, model_averaging): one of " + ", ".join(
             compression_names()) + ". Default: none.", flag_values=flag_values)
     flags.DEFINE_multi_string(
         "compression_arg", [], "Compressor constructor argument as key=value (repeatable).",

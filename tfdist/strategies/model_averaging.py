@@ -5,6 +5,7 @@ import logging
 import tensorflow as tf
 
 from tfdist import _tf_compat
+from tfdist.compression.exchange import compression_logs
 from tfdist.ps import sync
 from tfdist.ps.connection import ps_device
 from tfdist.ps.policies import AveragingPolicy
@@ -31,6 +32,8 @@ class ModelAveragingExtended(ParameterServerExtended):
                                                  name="tfdist_local_iterations")
             self._last_dropped = tf.Variable(0, dtype=tf.int64, trainable=False,
                                              name="tfdist_last_dropped")
+            self._last_bytes_sent = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                name="tfdist_last_bytes_sent")
 
     def _create_variable(self, next_creator, **kwargs):
         local = _tf_compat.OneDeviceExtended._create_variable(self, next_creator, **kwargs)
@@ -84,19 +87,44 @@ class ModelAveragingExtended(ParameterServerExtended):
         if isinstance(result, dict):
             result = dict(result)
             result["averaging_round"] = round_index
-            result["dropped_models"] = self._last_dropped.read_value()
+            with tf.control_dependencies([round_index]):
+                result["dropped_models"] = self._last_dropped.read_value()
+                if self._compressor is not None:
+                    result.update(compression_logs({
+                        "bytes_sent": self._last_bytes_sent.read_value(),
+                        "bytes_dense": tf.constant(4 * self._model_size(), tf.int64)}))
         return result
 
+    def _model_size(self):
+        return sum(local.shape.num_elements() for local, _ in self._pairs)
+
     def _average(self):
-        """Pushes this worker's model, waits for the round's average, and takes it."""
+        """Pushes this worker's model, waits for the round's average, and takes it.
+
+        With a compressor the push is the model's change since the last average (a model
+        itself does not survive top-k or sign compression; its change does, with error
+        feedback), and the updater adds the mean change to the master copy.
+        """
         local_vars = [local for local, _ in self._pairs]
         flat = sync.GradientLayout.flatten([v.read_value() for v in local_vars])
-        token = self._resources.push_and_wait((flat,), self._local_step.read_value())
+        step = self._local_step.read_value()
+        payload, before_push, after_pull = (flat,), [], []
+        if self._compressor is not None:
+            base = self._compressor_states.get(
+                ("base", flat.shape.num_elements()),
+                lambda: {"base": sync.GradientLayout.flatten(
+                    [v.read_value() for v in local_vars])})["base"][0]
+            payload, before_push, stats = self._encode(flat - base.read_value(), step)
+            before_push.append(self._last_bytes_sent.assign(stats["bytes_sent"]))
+        with tf.control_dependencies(before_push):
+            token = self._resources.push_and_wait(payload, step)
         with tf.control_dependencies([token]):
             pulled = [master.read_value() for _, master in self._pairs]
             dropped = self._resources.progress[sync.STAT_DROPPED]
+        if self._compressor is not None:
+            after_pull.append(base.assign(sync.GradientLayout.flatten(pulled)))
         with tf.control_dependencies(
-                [local.assign(value) for local, value in zip(local_vars, pulled)]
+                [local.assign(value) for local, value in zip(local_vars, pulled)] + after_pull
                 + [self._last_dropped.assign(dropped), self._local_step.assign(token)]):
             return tf.identity(token)
 
@@ -145,13 +173,18 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
       replicas_to_aggregate: models per round; None for every worker.
       optimizer_state: "local" (each worker keeps its optimizer's slots, the default: momentum
         or Adam moments are not averaged) or "averaged" (the slots are averaged with the model).
+      compression: a `tfdist.compression` compressor (or its name / config) for the pushes:
+        each worker then sends its model's change since the last average, compressed with
+        its own residual, and the updater adds the mean decoded change to the master copy.
+        Logs gain `bytes_sent` (the last round's push), `bytes_dense` and
+        `compression_ratio`. PowerSGD is refused (it needs all-reduce rounds).
       cluster, worker_timeout, init_timeout, connect_timeout, inter_op_threads: as for
         `SoftSyncStrategy`.
     """
 
     def __init__(self, period=1, replicas_to_aggregate=None, optimizer_state="local",
                  cluster=None, worker_timeout=120.0, init_timeout=60.0, connect_timeout=30.0,
-                 inter_op_threads=1):
+                 inter_op_threads=1, compression=None):
         if isinstance(period, bool) or not isinstance(period, int) or period < 1:
             raise ValueError(f"`period` must be an integer >= 1 (local steps between averaging "
                              f"rounds). Received: {period!r}")
@@ -163,7 +196,7 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
             self, n_of_m_policy(AveragingPolicy, replicas_to_aggregate), period,
             optimizer_state, cluster=cluster, worker_timeout=worker_timeout,
             init_timeout=init_timeout, connect_timeout=connect_timeout,
-            inter_op_threads=inter_op_threads))
+            inter_op_threads=inter_op_threads, compression=compression))
 
     @property
     def period(self):
