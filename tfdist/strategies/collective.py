@@ -50,14 +50,30 @@ class _CompressedExchangeMixin:
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         strategy = self._container_strategy()
         values = [value for value, _ in value_destination_pairs]
-        local = [list(strategy.experimental_local_results(v)) for v in values]
-        # Sparse gradients (IndexedSlices, per replica or not) and already-mirrored values take
-        # TF's own path, as do reductions other than sums and means.
+        # Already-mirrored values take TF's own path, as do reductions other than sums and
+        # means.
         if (self._exchange is None or reduce_op not in (tf.distribute.ReduceOp.SUM,
                                                         tf.distribute.ReduceOp.MEAN)
-                or any(isinstance(v, _tf_compat.Mirrored) for v in values)
-                or any(isinstance(c, tf.IndexedSlices) for row in local for c in row)):
+                or any(isinstance(v, _tf_compat.Mirrored) for v in values)):
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+        # Sparse gradients (IndexedSlices, e.g. of an embedding) are all-gathered by TF as
+        # they are; the dense ones of the same batch are compressed.
+        local = [list(strategy.experimental_local_results(v)) for v in values]
+        sparse = [any(isinstance(c, tf.IndexedSlices) for c in row) for row in local]
+        dense_pairs = [p for p, s in zip(value_destination_pairs, sparse) if not s]
+        if not dense_pairs:
+            return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+        reduced = iter(self._compressed_sum(
+            reduce_op, [row for row, s in zip(local, sparse) if not s], options))
+        if any(sparse):
+            sparse_reduced = iter(super()._batch_reduce_to(
+                reduce_op, [p for p, s in zip(value_destination_pairs, sparse) if s], options))
+            return [next(sparse_reduced) if s else next(reduced) for s in sparse]
+        return list(reduced)
+
+    def _compressed_sum(self, reduce_op, local, options):
+        """Sums (or means) `local[i][replica]` over every replica through the compressor."""
+        strategy = self._container_strategy()
         communicator = StrategyCommunicator(strategy, super()._batch_reduce_to, options)
         sums, stats = self._exchange.all_reduce(local, communicator)
         if reduce_op == tf.distribute.ReduceOp.MEAN:
