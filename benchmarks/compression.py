@@ -11,7 +11,8 @@ every figure of a comparison comes from the same run:
 * bytes one replica sends per step (from the Keras logs of training) against dense float32,
   for every compressor, on an MLP of ~0.4 M parameters (gradients fused into one vector);
 * one replica's encode + decode time for that gradient (its own payload in, every replica's
-  payload out), as a share of the measured step time with that compressor;
+  payload out), as a share of the measured step time with that compressor, on the MLP and on
+  a small CIFAR-size CNN (~0.12 M parameters, far more compute per parameter);
 * digits test accuracy with each compressor, with and without error feedback, over seeds,
   against the uncompressed run.
 
@@ -48,6 +49,7 @@ flags.DEFINE_integer("repeats", 40, "Interleaved repeats of each timed fit (a qu
 
 DEVICES = ["/cpu:0", "/cpu:1"]
 TIMING_INPUT, TIMING_WIDTH, TIMING_BATCH = 256, 512, 64
+CNN_INPUT = (32, 32, 3)
 # What each compressor is run with here (the issue's settings where it names them).
 SETTINGS = {
     "topk": {"ratio": 0.01},
@@ -81,21 +83,33 @@ def learning_rate(name):
 # Step time and bytes --------------------------------------------------------------------
 
 
-def timing_data():
+def timing_data(kind="mlp"):
     rng = np.random.RandomState(0)
-    x = rng.randn(TIMING_BATCH * 64, TIMING_INPUT).astype("float32")
+    shape = (TIMING_INPUT,) if kind == "mlp" else CNN_INPUT
+    x = rng.randn(TIMING_BATCH * 64, *shape).astype("float32")
     y = rng.randint(0, 10, len(x)).astype("int32")
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(TIMING_BATCH).repeat()
 
 
-def timing_model(strategy, lr=0.01):
+def timing_model(strategy, lr=0.01, kind="mlp"):
+    """The MLP (every parameter in a dense layer: the most exchange per unit of compute) or
+    a small CIFAR-size CNN (the compute per parameter of a typical vision model)."""
     keras.utils.set_random_seed(0)
+    layers = keras.layers
     with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((TIMING_INPUT,)),
-            keras.layers.Dense(TIMING_WIDTH, activation="relu"),
-            keras.layers.Dense(TIMING_WIDTH, activation="relu"),
-            keras.layers.Dense(10)])
+        if kind == "mlp":
+            model = keras.Sequential([
+                keras.Input((TIMING_INPUT,)),
+                layers.Dense(TIMING_WIDTH, activation="relu"),
+                layers.Dense(TIMING_WIDTH, activation="relu"),
+                layers.Dense(10)])
+        else:
+            model = keras.Sequential([
+                keras.Input(CNN_INPUT),
+                layers.Conv2D(32, 3, activation="relu"), layers.MaxPooling2D(),
+                layers.Conv2D(64, 3, activation="relu"), layers.MaxPooling2D(),
+                layers.Conv2D(64, 3, activation="relu"), layers.Flatten(),
+                layers.Dense(64, activation="relu"), layers.Dense(10)])
         model.compile(optimizer=keras.optimizers.SGD(lr),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
@@ -146,10 +160,10 @@ def step_times(models, data, steps, repeats, timers=None):
     return {name: statistics.median(s) for name, s in samples.items()}, logs, samples
 
 
-def real_gradients():
+def real_gradients(kind="mlp"):
     """The timing model's gradients on one batch (what a codec sees in training)."""
-    model = timing_model(tf.distribute.get_strategy())
-    x, y = next(iter(timing_data()))
+    model = timing_model(tf.distribute.get_strategy(), kind=kind)
+    x, y = next(iter(timing_data(kind)))
     with tf.GradientTape() as tape:
         loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
     return tape.gradient(loss, model.trainable_variables)
@@ -243,6 +257,29 @@ def measure_exchange(names, steps, repeats):
         print(f"{name}: bytes x{entry['bytes_ratio']:.1f}, step {1000 * seconds[name]:.2f} ms "
               f"(none {1000 * seconds['none']:.2f}), codec {100 * entry['codec_share']:.1f} %",
               flush=True)
+    result["cnn"] = measure_cnn_share(names, steps, max(2, repeats // 4))
+    return result
+
+
+def measure_cnn_share(names, steps, repeats):
+    """The codec's share of the step on the small CNN, where a step computes much more per
+    parameter than the MLP's (the codec's cost is per parameter, the step's per sample)."""
+    data = timing_data("cnn")
+    real = real_gradients("cnn")
+    result = {"model_parameters": None, "compressors": {}}
+    for name in names:
+        comp = compressor(name)
+        model = timing_model(tfdist.strategies.CompressedMirroredStrategy(
+            DEVICES, compression=comp), kind="cnn")
+        result["model_parameters"] = int(model.count_params())
+        seconds, _, samples = step_times({name: model}, data, steps, repeats,
+                                         timers={"codec": codec_timer(comp, real)})
+        share = statistics.median(c / t for c, t in zip(samples["codec"], samples[name]))
+        result["compressors"][name] = {"step_seconds": seconds[name],
+                                       "codec_seconds": seconds["codec"],
+                                       "codec_share": share}
+        print(f"cnn {name}: step {1000 * seconds[name]:.2f} ms, codec "
+              f"{1000 * seconds['codec']:.3f} ms, {100 * share:.1f} %", flush=True)
     return result
 
 
@@ -312,10 +349,21 @@ def plot(result, path):
     axes[0].set_ylabel("dense fp32 bytes / bytes sent")
     axes[0].set_title(f"Bytes per step ({exchange['model_parameters']:,} parameters)")
     shares = [100 * exchange["compressors"][n]["codec_share"] for n in names]
-    axes[1].bar(names, shares, color="tab:orange")
+    positions = np.arange(len(names))
+    cnn = exchange.get("cnn")
+    width = 0.4 if cnn else 0.8
+    axes[1].bar(positions - (width / 2 if cnn else 0), shares, width=width,
+                color="tab:orange", label=f"MLP ({exchange['model_parameters']:,} parameters)")
+    if cnn:
+        axes[1].bar(positions + width / 2,
+                    [100 * cnn["compressors"][n]["codec_share"] for n in names], width=width,
+                    color="tab:green", label=f"CNN ({cnn['model_parameters']:,} parameters)")
+    axes[1].set_xticks(positions)
+    axes[1].set_xticklabels(names)
     axes[1].axhline(10, color="gray", ls="--", lw=1)
     axes[1].set_ylabel("encode + decode, % of step time")
     axes[1].set_title("Encode + decode, one replica")
+    axes[1].legend(fontsize=7, loc="upper left")
     base = accuracy["uncompressed"]["mean"]
     acc_names = list(accuracy["compressors"])
     for offset, key, label in ((-0.2, "error_feedback", "with error feedback"),

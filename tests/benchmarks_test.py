@@ -69,6 +69,11 @@ class CompressionBenchmarkTest(tf.test.TestCase):
         self.assertGreaterEqual(exchange["compressors"]["topk"]["bytes_ratio"], 50)
         self.assertEqual(exchange["compressors"]["topk"]["bytes_sent"],
                          exchange["compressors"]["topk"]["documented_bytes"])
+        cnn = exchange["cnn"]["compressors"]
+        self.assertEqual(set(cnn), {"fp16", "topk"})
+        for entry in cnn.values():
+            self.assertGreater(entry["codec_share"], 0)
+            self.assertLess(entry["codec_share"], 1)
         accuracy = figures["accuracy"]["compressors"]
         self.assertEqual(set(accuracy["topk"]), {"error_feedback", "no_error_feedback"})
 
