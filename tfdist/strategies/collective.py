@@ -60,8 +60,7 @@ class _CompressedExchangeMixin:
         # they are; the dense ones of the same batch are compressed.
         local = [list(strategy.experimental_local_results(v)) for v in values]
         sparse = [any(isinstance(c, tf.IndexedSlices) for c in row) for row in local]
-        dense_pairs = [p for p, s in zip(value_destination_pairs, sparse) if not s]
-        if not dense_pairs:
+        if all(sparse):
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
         reduced = iter(self._compressed_sum(
             reduce_op, [row for row, s in zip(local, sparse) if not s], options))
