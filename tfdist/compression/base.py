@@ -152,7 +152,7 @@ class Compressor:
         """The sum of what several replicas' `payloads` decode to (one decode if possible).
 
         What a replica does with an all-gather's parts. Sparse compressors add all parts'
-        values in one segment sum instead of decoding each part to a dense tensor.
+        values in one scatter instead of decoding each part to a dense tensor.
         """
         payloads = [tuple(p) for p in payloads]
         if not self.compressible(shape, dtype):
