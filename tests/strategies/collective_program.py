@@ -26,20 +26,27 @@ def define_flags():
     flags.DEFINE_integer("epochs", 2, "Epochs.")
     flags.DEFINE_integer("steps_per_execution", 1, "Keras steps_per_execution.")
     flags.DEFINE_bool("run_eagerly", False, "Keras run_eagerly.")
+    flags.DEFINE_bool("embedding", False, "Integer inputs through an Embedding layer (its "
+                      "gradient is an IndexedSlices).")
 
-ROWS, BATCH = 128, 32
+ROWS, BATCH, VOCABULARY = 128, 32, 100
 
 
-def data():
+def data(embedding=False):
     rng = np.random.RandomState(0)
+    if embedding:
+        x = rng.randint(0, VOCABULARY, (ROWS, 8)).astype("int32")
+        return x, (x[:, 0] % 2).astype("int32")
     x = rng.randn(ROWS, 8).astype("float32")
     y = (x[:, :4].sum(1) > x[:, 4:].sum(1)).astype("int32")
     return x, y
 
 
-def build_model(steps_per_execution=1, run_eagerly=False):
+def build_model(steps_per_execution=1, run_eagerly=False, embedding=False):
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+    inputs = ([keras.Input((8,), dtype="int32"), keras.layers.Embedding(VOCABULARY, 4),
+               keras.layers.GlobalAveragePooling1D()] if embedding else [keras.Input((8,))])
+    model = keras.Sequential([*inputs, keras.layers.Dense(16, activation="tanh"),
                               keras.layers.Dense(2, activation="softmax")])
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"], steps_per_execution=steps_per_execution,
@@ -47,9 +54,9 @@ def build_model(steps_per_execution=1, run_eagerly=False):
     return model
 
 
-def dataset():
+def dataset(embedding=False):
     """Global batches of BATCH; tf.data gives each worker its share of every batch."""
-    x, y = data()
+    x, y = data(embedding)
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
 
 
@@ -58,10 +65,10 @@ def main(argv):
     strategy = tfdist.strategies.get("multi_worker_mirrored", compression=FLAGS.compression)
     config = tfdist.cluster.parse_tf_config()
     with strategy.scope():
-        model = build_model(FLAGS.steps_per_execution, FLAGS.run_eagerly)
-    history = model.fit(dataset(), epochs=FLAGS.epochs, verbose=2)
-    evaluation = model.evaluate(dataset(), verbose=0, return_dict=True)
-    x, _ = data()
+        model = build_model(FLAGS.steps_per_execution, FLAGS.run_eagerly, FLAGS.embedding)
+    history = model.fit(dataset(FLAGS.embedding), epochs=FLAGS.epochs, verbose=2)
+    evaluation = model.evaluate(dataset(FLAGS.embedding), verbose=0, return_dict=True)
+    x, _ = data(FLAGS.embedding)
     predictions = model.predict(x, batch_size=BATCH, verbose=0)
     result = {
         "weights": [w.tolist() for w in model.get_weights()],

@@ -196,7 +196,7 @@ def load(out_dir, name):
 class MultiWorkerTest(tf.test.TestCase):
     """Two worker processes on localhost, through the launcher, with Keras 3 `fit`."""
 
-    def reference(self, compression=None):
+    def reference(self, compression=None, embedding=False):
         # One process, two replicas, the same global batches: tf.data gives worker i the
         # i-th half of each global batch, as MirroredStrategy gives it to replica i.
         if not two_devices():
@@ -204,8 +204,8 @@ class MultiWorkerTest(tf.test.TestCase):
         strategy = (tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression)
                     if compression else tf.distribute.MirroredStrategy(DEVICES))
         with strategy.scope():
-            model = collective_program.build_model()
-        model.fit(collective_program.dataset(), epochs=2, verbose=0)
+            model = collective_program.build_model(embedding=embedding)
+        model.fit(collective_program.dataset(embedding), epochs=2, verbose=0)
         return model.get_weights()
 
     def test_fit_evaluate_predict_without_compression(self):
@@ -252,6 +252,20 @@ class MultiWorkerTest(tf.test.TestCase):
             self.assertAllClose(want, a, rtol=1e-5, atol=1e-6)
         self.assertGreater(chief["history"]["bytes_sent"][-1], 0)
         self.assertLess(chief["history"]["bytes_sent"][-1], chief["history"]["bytes_dense"][-1])
+
+    def test_embedding_with_compression(self):
+        # The embedding's IndexedSlices go through TF's all-gather, the dense gradients of
+        # the same step through the compressor's collectives, in the same order everywhere.
+        out = self.get_temp_dir()
+        result, log = run_workers(out, "--embedding", "--compression=fp16")
+        self.assertEqual(result.returncode, 0, log)
+        chief, other = load(out, "worker_0.json"), load(out, "worker_1.json")
+        expected = self.reference("fp16", embedding=True)
+        for want, a, b in zip(expected, chief["weights"], other["weights"]):
+            self.assertAllEqual(a, b)
+            self.assertAllClose(want, a, rtol=1e-5, atol=1e-6)
+        self.assertEqual(chief["history"]["bytes_dense"][-1], 4 * (4 * 16 + 16 + 16 * 2 + 2))
+        self.assertEqual(chief["history"]["compression_ratio"][-1], 2.0)
 
     def test_steps_per_execution_is_a_clear_error(self):
         out = self.get_temp_dir()
