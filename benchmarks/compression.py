@@ -266,12 +266,12 @@ def measure_cnn_share(names, steps, repeats):
     parameter than the MLP's (the codec's cost is per parameter, the step's per sample)."""
     data = timing_data("cnn")
     real = real_gradients("cnn")
-    result = {"model_parameters": None, "compressors": {}}
+    result = {"model_parameters": sum(g.shape.num_elements() for g in real),
+              "compressors": {}}
     for name in names:
         comp = compressor(name)
         model = timing_model(tfdist.strategies.CompressedMirroredStrategy(
             DEVICES, compression=comp), kind="cnn")
-        result["model_parameters"] = int(model.count_params())
         seconds, _, samples = step_times({name: model}, data, steps, repeats,
                                          timers={"codec": codec_timer(comp, real)})
         share = statistics.median(c / t for c, t in zip(samples["codec"], samples[name]))

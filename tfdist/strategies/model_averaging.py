@@ -92,11 +92,8 @@ class ModelAveragingExtended(ParameterServerExtended):
                 if self._compressor is not None:
                     result.update(compression_logs({
                         "bytes_sent": self._last_bytes_sent.read_value(),
-                        "bytes_dense": tf.constant(4 * self._model_size(), tf.int64)}))
+                        "bytes_dense": tf.constant(4 * self._layout.total_size, tf.int64)}))
         return result
-
-    def _model_size(self):
-        return sum(local.shape.num_elements() for local, _ in self._pairs)
 
     def _average(self):
         """Pushes this worker's model, waits for the round's average, and takes it.
