@@ -2,7 +2,6 @@
 
 import json
 import os
-import signal
 import sys
 import time
 
@@ -38,31 +37,14 @@ def wait_for_line(cluster, text, timeout=120):
     raise AssertionError(f"no line with {text!r} within {timeout} s:\n{cluster_log(cluster)}")
 
 
-def _ps_crashed(result):
-    """True if a ps task crashed (SIGSEGV / SIGABRT / SIGBUS inside TensorFlow's server).
-
-    A ps stopped by the launcher's teardown ends with SIGTERM or SIGKILL, not these.
-    """
-    crashes = (-signal.SIGSEGV, -signal.SIGABRT, -signal.SIGBUS)
-    return result.returncode != 0 and any(
-        task.startswith("ps:") and code in crashes
-        for task, code in result.task_returncodes.items())
-
-
 def run_cluster(out_dir, num_workers, *flags, **kwargs):
-    """Runs a cluster to its end; returns `(cluster, result)`.
+    """Runs a cluster to its end; returns `(cluster, result, out_dir)`.
 
-    TF 2.21's gRPC server has crashed (SIGSEGV inside the ps process, no Python frame of ours
-    on its stack) about once in several dozen runs here; such a run is retried once, in a fresh
-    directory, and the retry is what the test checks.
+    (Runs used to be retried once when a ps crashed with SIGSEGV; the cause, TF's eager-service
+    race when workers connect together, is avoided by `tfdist.launch.server` and tested in
+    tests/launch/server_test.py, so a ps crash now fails the test.)
     """
-    for attempt in range(2):
-        run_dir = out_dir if attempt == 0 else os.path.join(out_dir, "retry")
-        os.makedirs(run_dir, exist_ok=True)
-        with make_cluster(run_dir, num_workers, *flags, **kwargs) as cluster:
-            result = cluster.wait()
-        if not _ps_crashed(result):
-            break
-        print(f"ps crashed ({result.message}); running once more:\n{cluster_log(cluster)}",
-              file=sys.stderr)
-    return cluster, result, run_dir
+    os.makedirs(out_dir, exist_ok=True)
+    with make_cluster(out_dir, num_workers, *flags, **kwargs) as cluster:
+        result = cluster.wait()
+    return cluster, result, out_dir
