@@ -67,7 +67,7 @@ class AsyncTrainingTest(tf.test.TestCase):
 
     def test_one_worker_is_never_stale(self):
         out = self.get_temp_dir()
-        cluster, result, out = run_cluster(out, 1, "--strategy=async", "--epochs=2")
+        cluster, result = run_cluster(out, 1, "--strategy=async", "--epochs=2")
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         chief = load_result(out, "worker0.json")
         steps = 2 * ps_program.ROWS // ps_program.BATCH
@@ -79,7 +79,7 @@ class AsyncTrainingTest(tf.test.TestCase):
         # The chief applies its steps alone; worker 1, which read step 0, then pushes: its
         # first gradient is exactly `chief_steps` stale, the two after it are fresh.
         out = self.get_temp_dir()
-        cluster, result, out = run_cluster(out, 2, "--scenario=late", "--strategy=async",
+        cluster, result = run_cluster(out, 2, "--scenario=late", "--strategy=async",
                                            "--strategy_arg=staleness='inverse'")
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         chief_steps = load_result(out, "chief_done")["step"]
@@ -94,7 +94,7 @@ class AsyncTrainingTest(tf.test.TestCase):
     def test_bounded_staleness_with_a_slow_worker(self):
         out = self.get_temp_dir()
         bound = 2
-        cluster, result, out = run_cluster(out, 3, "--strategy=async",
+        cluster, result = run_cluster(out, 3, "--strategy=async",
                                            f"--strategy_arg=max_staleness={bound}", "--epochs=4",
                                            "--slow_rank=2", "--slow_delay=0.1")
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
@@ -108,7 +108,7 @@ class AsyncTrainingTest(tf.test.TestCase):
     def test_wait_mode_keeps_workers_within_the_bound_of_the_slowest(self):
         out = self.get_temp_dir()
         bound = 1
-        cluster, result, out = run_cluster(out, 3, "--strategy=async",
+        cluster, result = run_cluster(out, 3, "--strategy=async",
                                            f"--strategy_arg=max_staleness={bound}",
                                            "--strategy_arg=on_stale='wait'", "--epochs=3",
                                            "--slow_rank=2", "--slow_delay=0.1")
@@ -121,7 +121,7 @@ class AsyncTrainingTest(tf.test.TestCase):
 
     def test_learning_rate_factor_reaches_the_optimizer(self):
         out = self.get_temp_dir()
-        cluster, result, out = run_cluster(out, 1, "--strategy=async", "--frozen", "--epochs=1")
+        cluster, result = run_cluster(out, 1, "--strategy=async", "--frozen", "--epochs=1")
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         initial = load_result(out, "initial.json")["weights"]
         final = load_result(out, "worker0.json")["weights"]

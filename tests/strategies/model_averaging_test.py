@@ -18,7 +18,7 @@ class ModelAveragingTest(tf.test.TestCase):
 
     def test_rounds_every_period_and_every_worker_ends_on_the_average(self):
         out = self.get_temp_dir()
-        cluster, result, out = run_cluster(out, 2, "--strategy=model_averaging",
+        cluster, result = run_cluster(out, 2, "--strategy=model_averaging",
                                            "--strategy_arg=period=4",
                                            "--strategy_arg=optimizer_state='averaged'",
                                            "--optimizer=momentum", "--epochs=4")
@@ -42,7 +42,7 @@ class ModelAveragingTest(tf.test.TestCase):
             flags = ["--strategy=model_averaging", "--strategy_arg=period=2", "--epochs=3"]
             if compression != "none":
                 flags.append(f"--strategy_arg=compression='{compression}'")
-            cluster, result, out = run_cluster(out, 2, *flags)
+            cluster, result = run_cluster(out, 2, *flags)
             self.assertEqual(result.returncode, 0, cluster_log(cluster))
             runs[compression] = [load_result(out, f"worker{r}.json") for r in range(2)]
         size = sum(np.array(w).size for w in runs["none"][0]["local_weights"])

@@ -38,7 +38,7 @@ def wait_for_line(cluster, text, timeout=120):
 
 
 def run_cluster(out_dir, num_workers, *flags, **kwargs):
-    """Runs a cluster to its end; returns `(cluster, result, out_dir)`.
+    """Runs a cluster to its end in `out_dir`; returns `(cluster, result)`.
 
     (Runs used to be retried once when a ps crashed with SIGSEGV; the cause, TF's eager-service
     race when workers connect together, is avoided by `tfdist.launch.server` and tested in
@@ -47,4 +47,4 @@ def run_cluster(out_dir, num_workers, *flags, **kwargs):
     os.makedirs(out_dir, exist_ok=True)
     with make_cluster(out_dir, num_workers, *flags, **kwargs) as cluster:
         result = cluster.wait()
-    return cluster, result, out_dir
+    return cluster, result

@@ -31,7 +31,7 @@ class HardSyncEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
     def test_two_workers_match_one_process_on_the_combined_batch(self, strategy, optimizer):
         # Model averaging every step with plain SGD is hard sync too.
         out = self.get_temp_dir()
-        cluster, result, out = run_cluster(out, 2, "--scenario=equivalence", "--epochs=3",
+        cluster, result = run_cluster(out, 2, "--scenario=equivalence", "--epochs=3",
                                            f"--strategy={strategy}", f"--optimizer={optimizer}",
                                            num_ps=2)
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
@@ -66,7 +66,7 @@ class CompressedPushTest(tf.test.TestCase, parameterized.TestCase):
                               ("async", "randomk"))
     def test_compressed_push_trains(self, strategy, compression):
         out = self.get_temp_dir()
-        cluster, result, out = run_cluster(out, 2, "--scenario=equivalence", "--epochs=3",
+        cluster, result = run_cluster(out, 2, "--scenario=equivalence", "--epochs=3",
                                            f"--strategy={strategy}",
                                            f"--strategy_arg=compression={compression}")
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
@@ -95,7 +95,7 @@ class DroppedGradientTest(tf.test.TestCase):
 
     def test_a_gradient_from_an_old_step_is_dropped_and_counted(self):
         out = self.get_temp_dir()
-        cluster, result, out = run_cluster(out, 2, "--scenario=late",
+        cluster, result = run_cluster(out, 2, "--scenario=late",
                                            "--strategy_arg=replicas_to_aggregate=1")
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         chief, late = load_result(out, "worker0.json"), load_result(out, "worker1.json")
