@@ -427,6 +427,7 @@ class Updater:
         while True:
             required = self.policy.required(len(self._live))
             if required == 0:
+                self._record_leftover_drops(state)
                 log.info("tfdist: every worker left; the updater stops after %d updates",
                          self.stats.updates)
                 return
@@ -470,6 +471,19 @@ class Updater:
                 self._apply(state)
                 self._updated(accepted, dropped)
                 state = empty
+
+    def _record_leftover_drops(self, state):
+        """Counts stale pushes that no update followed (the last ones before every worker left).
+
+        Drops are recorded with the update that follows them; the slow worker's last pushes
+        can be stale with no update after them.
+        """
+        dropped = int(state["dropped"].numpy())
+        if dropped:
+            with tf.init_scope(), tf.device(self.resources.device):
+                self.resources.progress.assign_add(
+                    tf.one_hot(STAT_DROPPED, NUM_STATS, dtype=tf.int64) * dropped)
+            self.stats.dropped += dropped
 
     def _release_caught_up(self):
         """Stale synchronous parallel: release waiting workers at most s pushes ahead."""
