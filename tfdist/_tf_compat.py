@@ -19,6 +19,10 @@ from tensorflow.python.ops import handle_data_util  # noqa: F401
 from tensorflow.python.ops import resource_variable_ops  # noqa: F401
 from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable  # noqa: F401
 
+# A worker's mirror of a master variable is a local resource variable whose eager reads and
+# writes outside a step go to the master: a subclass of the concrete class.
+from tensorflow.python.ops.resource_variable_ops import ResourceVariable  # noqa: F401
+
 
 def set_handle_shape_and_dtype(handle, shape, dtype):
     """Gives a raw `VarHandleOp` handle the shape metadata a `tf.Variable` needs.
@@ -47,6 +51,45 @@ def keras_optimizer_in_scope():
         if isinstance(caller, keras.optimizers.Optimizer):
             return caller
     return None
+
+
+def keras_variable_path(name):
+    """The Keras path (`model/layer/kernel`) of the variable whose TF storage is being made.
+
+    Master variables are keyed by path, which every worker gives a model's variables alike
+    (a creation counter shifts when one task makes one variable more). A Keras `Variable`
+    has set its path when it makes its `tf.Variable`, possibly later than its constructor
+    ran (deferred initialisation), so it is read off the Keras variable being initialised;
+    Keras's current name scope plus `name` otherwise.
+    """
+    import sys
+
+    import keras
+    from keras.src.backend.common.name_scope import current_path
+
+    frame = sys._getframe(1)
+    for _ in range(12):
+        if frame is None:
+            break
+        owner = frame.f_locals.get("self")
+        if frame.f_code.co_name == "_initialize" and isinstance(owner, keras.Variable):
+            return owner.path
+        frame = frame.f_back
+    parent = current_path()
+    return f"{parent}/{name}" if parent else name
+
+
+def keras_name_scope_for_path(path):
+    """A Keras name scope under which a variable named `path`'s last part gets `path`."""
+    import contextlib
+
+    import keras
+
+    parent, _, _ = path.rpartition("/")
+    if not parent:
+        return contextlib.nullcontext()
+    head, _, last = parent.rpartition("/")
+    return keras.name_scope(last, override_parent=head or None)
 
 
 # The all-reduce family extends TF's own Mirrored / CollectiveAllReduce engines: compression

@@ -4,6 +4,7 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from tests.strategies import ps_functions
 from tests.strategies import ps_program
 from tests.strategies.ps_testing import cluster_log
 from tests.strategies.ps_testing import load_result
@@ -33,7 +34,11 @@ class PolicyTest(tf.test.TestCase):
         self.assertEqual([bool(policy.accepts(tf.constant(s, tf.int64), step))
                           for s in (7, 8, 10)], [False, True, True])
         self.assertAllClose(policy.learning_rate_factor(tf.constant(4, tf.int64)), 0.25)
-        unbounded = policies.AsyncPolicy(lambda tau: tf.exp(-tf.cast(tau, tf.float32)))
+        unbounded = policies.AsyncPolicy(ps_functions.exponential)
+        self.assertEqual(unbounded.to_spec()["staleness"],
+                         "tests.strategies.ps_functions:exponential")
+        rebuilt = policies.policy_from_spec(unbounded.to_spec())
+        self.assertIs(rebuilt.staleness_fn, ps_functions.exponential)
         self.assertTrue(bool(unbounded.accepts(tf.constant(0, tf.int64), step)))
         self.assertAllClose(unbounded.learning_rate_factor(tf.constant(1, tf.int64)),
                             np.exp(-1.0))
@@ -52,6 +57,9 @@ class PolicyTest(tf.test.TestCase):
         with self.assertRaisesRegex(ValueError, "`max_staleness` must be None or an integer "
                                                 ">= 0. Received: -1"):
             policies.AsyncPolicy(max_staleness=-1)
+        with self.assertRaisesRegex(ValueError, r"`staleness` runs on the ps tasks, which "
+                                                r"import it by name.*not a lambda"):
+            policies.AsyncPolicy(lambda tau: 1.0)
         with self.assertRaisesRegex(ValueError, "`delay_compensation`"):
             policies.AsyncPolicy(delay_compensation="big")
         with self.assertRaisesRegex(ValueError, r"`on_stale` must be one of \['drop', 'wait'\]"):
@@ -76,19 +84,22 @@ class AsyncTrainingTest(tf.test.TestCase):
         self.assertEqual(chief["history"]["staleness_max"], [0, 0])
 
     def test_forced_interleaving_gives_the_expected_staleness(self):
-        # The chief applies its steps alone; worker 1, which read step 0, then pushes: its
-        # first gradient is exactly `chief_steps` stale, the two after it are fresh.
+        # The chief's and worker 1's first steps are updates 1 and 2; the chief's epoch
+        # follows alone (its first gradient, computed on the weights of update 1, 1 stale).
+        # Worker 1's next gradient, computed on the weights of update 2, is exactly
+        # `chief_steps` stale; the two after it are fresh.
         out = self.get_temp_dir()
         cluster, result = run_cluster(out, 2, "--scenario=late", "--strategy=async",
                                            "--strategy_arg=staleness='inverse'")
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
-        chief_steps = load_result(out, "chief_done")["step"]
+        chief_steps = load_result(out, "chief_done")["step"] - 2
+        self.assertEqual(chief_steps, ps_program.ROWS // 2 // ps_program.BATCH)
         progress = load_result(out, "worker0.json")["progress"]
         histogram = [0] * 16
-        histogram[0], histogram[chief_steps] = chief_steps + 2, 1
+        histogram[0], histogram[1], histogram[chief_steps] = chief_steps + 3, 1, 1
         self.assertEqual(progress["staleness_histogram"], histogram)
         self.assertEqual(progress["staleness_max"], chief_steps)
-        self.assertEqual(progress["global_step"], chief_steps + 3)
+        self.assertEqual(progress["global_step"], 2 + chief_steps + 3)
         self.assertEqual(progress["dropped_gradients"], 0)
 
     def test_bounded_staleness_with_a_slow_worker(self):

@@ -2,8 +2,9 @@
 
 Scenarios:
   equivalence  train a fixed shard; the chief saves initial and final weights.
-  late         the chief trains alone first; worker 1 then pushes a gradient computed at
-               step 0, which must be dropped and counted.
+  late         the chief, then worker 1, take one step; the chief then trains an epoch
+               alone; worker 1's next push, computed on the weights of its first reply, is
+               stale.
   long         train long enough to be killed mid-run; print READY after the first epoch.
   checkpoint   BackupAndRestore on every worker (own directory), ModelCheckpoint on the
                chief; with --crash_after_epoch the chief dies after that epoch.
@@ -15,11 +16,11 @@ import time
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 from absl import app
 from absl import flags
 
 import tfdist
+from tests.strategies import ps_functions
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("scenario", "equivalence", ["equivalence", "late", "long", "checkpoint"],
@@ -28,7 +29,6 @@ flags.DEFINE_integer("crash_after_epoch", -1, "checkpoint: the chief dies after 
 flags.DEFINE_string("out_dir", None, "Where to write results.")
 tfdist.strategies.define_flags(default="soft_sync")
 flags.DEFINE_integer("epochs", 3, "Epochs.")
-flags.DEFINE_float("worker_timeout", 60.0, "Updater timeout.")
 flags.DEFINE_enum("optimizer", "sgd", ["sgd", "momentum", "adam"], "Optimizer.")
 flags.DEFINE_integer("slow_rank", -1, "A worker that sleeps after each step.")
 flags.DEFINE_float("slow_delay", 0.05, "Its sleep, in seconds.")
@@ -93,9 +93,9 @@ class Ready(keras.callbacks.Callback):
 
 def main(argv):
     del argv
-    overrides = {"worker_timeout": FLAGS.worker_timeout}
+    overrides = {}
     if FLAGS.frozen:
-        overrides["staleness"] = lambda tau: 0.0 * tf.cast(tau, tf.float32)
+        overrides["staleness"] = ps_functions.frozen
     strategy = tfdist.strategies.from_flags(**overrides)
     rank = strategy.worker_index
     with strategy.scope():
@@ -105,13 +105,22 @@ def main(argv):
     if strategy.is_chief:
         save("initial.json", weights=[w.tolist() for w in model.get_weights()])
     if FLAGS.scenario == "late":
+        # The chief starts the run with one step, worker 1 joins with one step; the chief
+        # then trains an epoch alone, and worker 1's next push, computed on the weights of
+        # its first reply, is stale.
+        one = dict(batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
         if rank == 0:
-            history = model.fit(xs, ys, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+            model.fit(xs[:BATCH], ys[:BATCH], **one)
+            save("chief_joined")
+            wait_for_file(os.path.join(FLAGS.out_dir, "worker1_joined"))
+            history = model.fit(xs, ys, **one)
             save("chief_done", step=strategy.progress()["global_step"])
         else:
+            wait_for_file(os.path.join(FLAGS.out_dir, "chief_joined"))
+            model.fit(xs[:BATCH], ys[:BATCH], **one)
+            save("worker1_joined")
             wait_for_file(os.path.join(FLAGS.out_dir, "chief_done"))
-            history = model.fit(xs[:3 * BATCH], ys[:3 * BATCH], batch_size=BATCH, epochs=1,
-                                shuffle=False, verbose=0)
+            history = model.fit(xs[:3 * BATCH], ys[:3 * BATCH], **one)
     elif FLAGS.scenario == "checkpoint":
         callbacks = [keras.callbacks.BackupAndRestore(
             os.path.join(FLAGS.out_dir, f"backup{rank}"))]
@@ -133,14 +142,15 @@ def main(argv):
     result = {"evaluation": evaluation,
               "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
               "progress": strategy.progress(),
-              "pushes": int(sum(len(range(0, len(xs), BATCH)) for _ in history.epoch)),
+              "pushes": int(sum(len(range(0, len(xs), BATCH)) for _ in history.epoch))
+              + (1 if FLAGS.scenario == "late" else 0),
               "local_weights": [w.tolist() for w in model.get_weights()]}
     if strategy.is_chief:
-        stats = strategy.updater_stats
-        result.update(updates=stats.updates, dropped=stats.dropped,
-                      max_clock_gap=stats.max_clock_gap,
-                      aggregated=stats.aggregated, left=stats.left,
-                      dead=stats.dead, weights=[w.tolist() for w in model.get_weights()])
+        stats = result["progress"]
+        result.update(updates=stats["updates"], dropped=stats["dropped_gradients"],
+                      max_clock_gap=stats["max_clock_gap"],
+                      aggregated=stats["aggregated_gradients"], left=stats["left"],
+                      dead=stats["dead"], weights=[w.tolist() for w in model.get_weights()])
     save(f"worker{rank}.json", **result)
 
 

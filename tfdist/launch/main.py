@@ -44,7 +44,8 @@ flags.DEFINE_integer("task_index", 0, "This task's index in its job.", lower_bou
 flags.DEFINE_list("ps_hosts", [], "Comma-separated host:port of the ps tasks.")
 flags.DEFINE_list("worker_hosts", [], "Comma-separated host:port of the worker tasks.")
 flags.DEFINE_string("chief_host", None, "host:port of a separate chief task, if any.")
-flags.DEFINE_integer("ps_threads", None, "Inter-op threads of a ps server (default 64).",
+flags.DEFINE_integer("ps_threads", None, "Inter-op threads of a ps server (default: 64, or "
+                     "2 per worker + 8 when that is more).",
                      lower_bound=2)
 flags.DEFINE_bool("local", False, "Start a whole cluster on this machine.")
 flags.DEFINE_integer("num_ps", 1, "With --local: number of ps tasks.", lower_bound=0)
@@ -187,10 +188,14 @@ def main(argv):
     if config.task_type == "ps":
         if command:
             raise app.UsageError(f"a ps task runs no command. Received: {' '.join(command)}")
-        from tfdist.launch.server import DEFAULT_PS_THREADS
+        from tfdist.launch.server import ps_threads
         from tfdist.launch.server import serve
 
-        return serve(config, threads=FLAGS.ps_threads or DEFAULT_PS_THREADS)
+        try:
+            threads = ps_threads(config, FLAGS.ps_threads)
+        except ValueError as e:
+            raise app.UsageError(str(e).replace("`threads`", "--ps_threads")) from None
+        return serve(config, threads=threads)
     if not command:
         raise app.UsageError(f"a {config.task_type} task needs its command after `--`, e.g. "
                              "`-- python train.py`")

@@ -14,12 +14,34 @@ workers may connect in any order (tests/launch/server_test.py).
 import signal
 import threading
 
-# Every blocking op a worker sends (a dequeue, an accumulator take) holds one ps thread until
-# it returns; with the default pool (the core count) two blocked workers freeze the ps.
+# Every blocking op (a worker waiting for its reply, the updater waiting for pushes, the
+# control loop) holds one ps thread until it returns; with the default pool (the core count)
+# two waiting workers freeze the ps.
 DEFAULT_PS_THREADS = 64
 
 
-def start_server(config, threads=DEFAULT_PS_THREADS):
+def threads_needed(config):
+    """The fewest inter-op threads a ps of `config`'s cluster can serve with.
+
+    Each worker may hold one thread waiting for its reply and one for a hello answer; the
+    updater, the control loop and the service's own ops hold a few more.
+    """
+    return 2 * config.num_workers + 8
+
+
+def ps_threads(config, threads=None):
+    """`threads` (None: the default, raised to what the cluster needs), checked."""
+    needed = threads_needed(config)
+    if threads is None:
+        return max(DEFAULT_PS_THREADS, needed)
+    if threads < needed:
+        raise ValueError(
+            f"`threads`={threads} is too few for a ps of a cluster with {config.num_workers} "
+            f"workers: every waiting worker holds one; it needs at least {needed}")
+    return threads
+
+
+def start_server(config, threads=None):
     """Starts the gRPC server of `config`'s ps task in this process; returns its target.
 
     The server knows only its own task: ps tasks never call out to other tasks, and each
@@ -32,6 +54,7 @@ def start_server(config, threads=DEFAULT_PS_THREADS):
     import tensorflow as tf
     from tensorflow.python.eager import context
 
+    threads = ps_threads(config, threads)
     try:
         tf.config.threading.set_inter_op_parallelism_threads(threads)
         tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -48,13 +71,20 @@ def start_server(config, threads=DEFAULT_PS_THREADS):
     return f"{protocol}://{config.task_address}"
 
 
-def serve(config, threads=DEFAULT_PS_THREADS, ready_callback=None):
-    """Runs the ps task of `config` until SIGTERM or SIGINT, then returns 0."""
+def serve(config, threads=None, ready_callback=None):
+    """Runs the ps task of `config` until SIGTERM or SIGINT, then returns 0.
+
+    Beside the gRPC server runs the task's `PSService`, which updates its shard of every
+    run the workers start (`tfdist.ps.service`).
+    """
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         target = start_server(config, threads)
+        from tfdist.ps.service import PSService
+
+        PSService(config).start()
         if ready_callback:
             ready_callback(target)
         while not stop.wait(0.5):

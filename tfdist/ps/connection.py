@@ -20,6 +20,19 @@ def ps_device(index):
     return f"/job:ps/replica:0/task:{index}/device:CPU:0"
 
 
+def compute_device(task_type, task_index, gpus=None):
+    """Where a worker computes: its first GPU if it has one, else its CPU.
+
+    Args:
+      task_type, task_index: the worker's task.
+      gpus: the local GPUs (None: `tf.config.list_physical_devices("GPU")`).
+    """
+    if gpus is None:
+        gpus = tf.config.list_physical_devices("GPU")
+    kind = "GPU" if gpus else "CPU"
+    return f"/job:{task_type}/replica:0/task:{task_index}/device:{kind}:0"
+
+
 class PSConnection:
     """Connects this training task to the cluster's ps tasks.
 
@@ -61,6 +74,7 @@ class PSConnection:
         self.training_tasks = [f"/job:{job}/task:{i}" for job, i in config.training_tasks]
         self.training_addresses = [config.address(job, i) for job, i in config.training_tasks]
         self.ps_names = [f"/job:ps/task:{i}" for i in range(self.num_ps)]
+        self.ps_addresses = list(config.cluster["ps"])
         wait_for_tasks(dict(zip(self.ps_names, config.cluster["ps"])), timeout=connect_timeout)
         spec = {"ps": list(config.cluster["ps"]),
                 config.task_type: {config.task_index: config.task_address}}
@@ -81,8 +95,10 @@ class PSConnection:
                     tf.train.ClusterSpec(spec), job_name=config.task_type,
                     task_index=config.task_index, make_master_device_default=False)
                 _connected["key"] = key
-        self.local_device = (f"/job:{config.task_type}/replica:0/task:{config.task_index}"
-                             "/device:CPU:0")
+        # The model computes on the worker's GPU when it has one; bookkeeping stays on its CPU.
+        self.compute_device = compute_device(config.task_type, config.task_index)
+        self.host_device = (f"/job:{config.task_type}/replica:0/task:{config.task_index}"
+                            "/device:CPU:0")
         self.ps_devices = [ps_device(i) for i in range(self.num_ps)]
         self._ping(connect_timeout)
         self._bytes_per_ps = [0] * self.num_ps

@@ -10,6 +10,8 @@ Staleness tau of an update is the number of global steps applied between the rea
 weights its gradient was computed on and its own application.
 """
 
+import importlib
+
 import tensorflow as tf
 
 HISTOGRAM_BUCKETS = 16  # staleness 0 .. 14, and 15 or more
@@ -29,6 +31,32 @@ def no_staleness_scaling(staleness):
 STALENESS_FUNCTIONS = {"none": no_staleness_scaling, "inverse": inverse_staleness}
 
 
+def function_reference(function, argument):
+    """`module:qualified_name` of a module-level function, which a ps task can import.
+
+    The updater runs in the ps processes, which do not run the user's script: a function
+    it calls must be importable there.
+    """
+    module = getattr(function, "__module__", None)
+    qualname = getattr(function, "__qualname__", "")
+    if not module or "<" in qualname or module == "__main__":
+        raise ValueError(
+            f"`{argument}` runs on the ps tasks, which import it by name: pass a function "
+            f"defined at the top level of a module they can import (installed, or on their "
+            f"PYTHONPATH), not a lambda, a nested function or one defined in the script run "
+            f"as __main__. Received: {function!r}")
+    return f"{module}:{qualname}"
+
+
+def resolve_function(reference):
+    """The function named by `function_reference`."""
+    module, _, qualname = reference.partition(":")
+    value = importlib.import_module(module)
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def delay_compensated(gradient, weights_now, weights_read, compensation):
     """DC-ASGD (Zheng et al. 2017): g + lambda * g * g * (w_now - w_read), elementwise."""
     return gradient + compensation * gradient * gradient * (weights_now - weights_read)
@@ -37,6 +65,7 @@ def delay_compensated(gradient, weights_now, weights_read, compensation):
 class SoftSyncPolicy:
     """The first `replicas_to_aggregate` fresh gradients of a step; older ones are dropped."""
 
+    name = "soft_sync"
     measures_staleness = False
     delay_compensation = None
     averages_weights = False
@@ -52,6 +81,10 @@ class SoftSyncPolicy:
 
     def required(self, live_workers):
         return min(self.replicas_to_aggregate, live_workers)
+
+    def to_spec(self):
+        return {"name": self.name, "replicas_to_aggregate": self.replicas_to_aggregate,
+                "num_workers": self.num_workers}
 
     def accepts(self, entry_step, step):
         return entry_step >= step
@@ -74,6 +107,7 @@ class AsyncPolicy:
         more than the slowest live worker waits for it; nothing is dropped.
     """
 
+    name = "async"
     measures_staleness = True
     fails_on_dead_worker = False
     averages_weights = False
@@ -87,7 +121,7 @@ class AsyncPolicy:
                     f"Received: {staleness!r}")
             self.staleness_name, self.staleness_fn = staleness, STALENESS_FUNCTIONS[staleness]
         elif callable(staleness):
-            self.staleness_name = getattr(staleness, "__name__", "custom")
+            self.staleness_name = function_reference(staleness, "staleness")
             self.staleness_fn = staleness
         else:
             raise ValueError(f"`staleness` must be one of {sorted(STALENESS_FUNCTIONS)} or a "
@@ -115,6 +149,11 @@ class AsyncPolicy:
     def required(self, live_workers):
         return min(1, live_workers)
 
+    def to_spec(self):
+        return {"name": self.name, "staleness": self.staleness_name,
+                "max_staleness": self.max_staleness,
+                "delay_compensation": self.delay_compensation, "on_stale": self.on_stale}
+
     def accepts(self, entry_step, step):
         if self.max_staleness is None or self.on_stale == "wait":
             return tf.constant(True)
@@ -131,4 +170,18 @@ class AveragingPolicy(SoftSyncPolicy):
     for an older round is dropped and its worker takes the new average.
     """
 
+    name = "averaging"
     averages_weights = True
+
+
+def policy_from_spec(spec):
+    """The policy a worker described in its spec (`to_spec()`), rebuilt on a ps task."""
+    spec = dict(spec)
+    name = spec.pop("name")
+    if name == "async":
+        staleness = spec.pop("staleness")
+        if staleness not in STALENESS_FUNCTIONS:
+            staleness = resolve_function(staleness)
+        return AsyncPolicy(staleness, **spec)
+    return {"soft_sync": SoftSyncPolicy, "averaging": AveragingPolicy}[name](
+        spec["replicas_to_aggregate"], spec["num_workers"])

@@ -1,8 +1,20 @@
-"""Master variables: one copy on a ps task, opened by every worker through a shared name."""
+"""Master variables on the ps tasks, and the worker-local mirrors a Keras model trains with.
+
+A master variable is one copy of a variable on a ps task, opened by every task of the run
+through its shared name. A worker's model holds mirrors: variables on the worker's own compute
+device (its GPU when it has one), which its train step reads and writes. Each step's reply
+from the ps brings the new values into the mirrors.
+
+Outside a train step a mirror stands for its master, once the worker has joined a run: eager
+reads (`get_weights`, saving a checkpoint) read the master, eager writes (`set_weights`,
+`load_weights`, restoring a checkpoint) write it too. Before the worker joins, a mirror is a
+plain local variable: what the chief holds then (a restored backup, weights it loaded)
+becomes the master copy when it starts a run; a worker joining a run in progress takes the
+master's values.
+"""
 
 import contextlib
 import threading
-import time
 
 import tensorflow as tf
 
@@ -12,82 +24,39 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
-def master_writes_suppressed():
-    """Within this scope (at trace time, on this thread) writes to master variables are no-ops.
-
-    A worker's Keras optimizer still runs after the worker has pushed its gradients; the
-    update it would make is the chief updater's job, applied once per aggregated step. The
-    worker step enters this scope right after its push.
-    """
-    previous = getattr(_state, "suppressed", False)
-    _state.suppressed = True
+def replica_step():
+    """Marks this thread as running a replica's step (eagerly or while tracing it)."""
+    _state.depth = getattr(_state, "depth", 0) + 1
     try:
         yield
     finally:
-        _state.suppressed = previous
+        _state.depth -= 1
 
 
-def writes_suppressed():
-    return getattr(_state, "suppressed", False)
+def _stands_for_master(variable):
+    return (variable._tfdist_master is not None and tf.executing_eagerly()
+            and not getattr(_state, "depth", 0))
 
 
-class MasterVariable(_tf_compat.BaseResourceVariable):
+class SharedVariable(_tf_compat.BaseResourceVariable):
     """A resource variable whose storage is a shared resource on a ps task.
 
-    It has no deleter: no worker can destroy the copy that the others use.
+    It has no deleter: no task can destroy the copy that the others use.
     """
-
-    def _suppressed(self):
-        return writes_suppressed()
-
-    def assign(self, value, use_locking=None, name=None, read_value=True):
-        if self._suppressed():
-            return self
-        return super().assign(value, use_locking=use_locking, name=name, read_value=read_value)
-
-    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
-        if self._suppressed():
-            return self
-        return super().assign_add(delta, use_locking=use_locking, name=name,
-                                  read_value=read_value)
-
-    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
-        if self._suppressed():
-            return self
-        return super().assign_sub(delta, use_locking=use_locking, name=name,
-                                  read_value=read_value)
-
-    def scatter_update(self, sparse_delta, use_locking=False, name=None):
-        if self._suppressed():
-            return self
-        return super().scatter_update(sparse_delta, use_locking=use_locking, name=name)
-
-    def scatter_add(self, sparse_delta, use_locking=False, name=None):
-        if self._suppressed():
-            return self
-        return super().scatter_add(sparse_delta, use_locking=use_locking, name=name)
-
-    def scatter_sub(self, sparse_delta, use_locking=False, name=None):
-        if self._suppressed():
-            return self
-        return super().scatter_sub(sparse_delta, use_locking=use_locking, name=name)
 
 
 def open_shared_variable(device, shared_name, shape, dtype, name, container="tfdist",
-                         trainable=False, synchronization=None, aggregation=None,
-                         distribute_strategy=None):
-    """Opens (creating on first use) the variable `shared_name` on `device`, eagerly."""
+                         trainable=False):
+    """Opens (creating on first use, uninitialised) the variable `shared_name` on `device`."""
     shape = tf.TensorShape(shape)
     dtype = tf.as_dtype(dtype)
     with tf.init_scope(), tf.device(device):
         handle = tf.raw_ops.VarHandleOp(dtype=dtype, shape=shape, container=container,
                                         shared_name=shared_name, name=name)
     _tf_compat.set_handle_shape_and_dtype(handle, shape, dtype)
-    return MasterVariable(
+    return SharedVariable(
         handle=handle, shape=shape, dtype=dtype, trainable=trainable, name=name,
-        unique_id=f"{container}/{shared_name}", handle_name=name, in_graph_mode=False,
-        synchronization=synchronization, aggregation=aggregation,
-        distribute_strategy=distribute_strategy)
+        unique_id=f"{container}/{shared_name}", handle_name=name, in_graph_mode=False)
 
 
 def is_initialized(variable):
@@ -95,14 +64,77 @@ def is_initialized(variable):
         return bool(tf.raw_ops.VarIsInitializedOp(resource=variable.handle).numpy())
 
 
-def wait_until_initialized(variable, timeout, who):
-    """Waits until another task initialised `variable`, or raises naming that task."""
-    deadline = time.monotonic() + timeout
-    delay = 0.01
-    while not is_initialized(variable):
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"{who} did not initialise the master variable {variable.name!r} within "
-                f"{timeout:g} s: is the chief running the same model code?")
-        time.sleep(delay)
-        delay = min(0.2, delay * 2)
+_MIRROR_ARGS = ("initial_value", "trainable", "name", "dtype", "constraint",
+                "distribute_strategy", "synchronization", "aggregation", "shape")
+
+
+class MirrorVariable(_tf_compat.ResourceVariable):
+    """A worker's local copy of a master variable (see the module docstring).
+
+    Made by `MirrorVariable.create`; `tf.Variable`'s metaclass keeps a subclass from adding
+    constructor arguments of its own.
+    """
+
+    _tfdist_master = None
+
+    @classmethod
+    def create(cls, path, ps_index, role, **kwargs):
+        """A mirror of the master at Keras path `path` on ps task `ps_index`.
+
+        Args:
+          path: the Keras variable path, the master's key.
+          ps_index: the ps task that holds the master.
+          role: what a push does with it (`tfdist.ps.protocol` roles).
+          **kwargs: `tf.Variable` arguments.
+        """
+        variable = cls(**{k: v for k, v in kwargs.items() if k in _MIRROR_ARGS})
+        variable._tfdist_path = path
+        variable._tfdist_ps_index = ps_index
+        variable._tfdist_role = role
+        return variable
+
+    def bind(self, master):
+        """From now on, outside a step, this variable stands for `master`."""
+        self._tfdist_master = master
+
+    def _read_variable_op(self, no_copy=False):
+        if _stands_for_master(self):
+            with tf.device(self.device):
+                return tf.identity(self._tfdist_master.read_value())
+        return super()._read_variable_op(no_copy=no_copy)
+
+    def _write(self, method, *args, **kwargs):
+        if not _stands_for_master(self):
+            return getattr(super(), method)(*args, **kwargs)
+        kwargs["read_value"] = False
+        getattr(self._tfdist_master, method)(*args, **kwargs)
+        super().assign(self._tfdist_master.read_value(), read_value=False)
+        return self
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        return self._write("assign", value, use_locking=use_locking, name=name,
+                           read_value=read_value)
+
+    def assign_add(self, delta, use_locking=None, name=None, read_value=True):
+        return self._write("assign_add", delta, use_locking=use_locking, name=name,
+                           read_value=read_value)
+
+    def assign_sub(self, delta, use_locking=None, name=None, read_value=True):
+        return self._write("assign_sub", delta, use_locking=use_locking, name=name,
+                           read_value=read_value)
+
+    def _scatter(self, method, sparse_delta, use_locking=False, name=None):
+        if not _stands_for_master(self):
+            return getattr(super(), method)(sparse_delta, use_locking=use_locking, name=name)
+        getattr(self._tfdist_master, method)(sparse_delta, use_locking=use_locking, name=name)
+        super().assign(self._tfdist_master.read_value(), read_value=False)
+        return self
+
+    def scatter_update(self, sparse_delta, use_locking=False, name=None):
+        return self._scatter("scatter_update", sparse_delta, use_locking, name)
+
+    def scatter_add(self, sparse_delta, use_locking=False, name=None):
+        return self._scatter("scatter_add", sparse_delta, use_locking, name)
+
+    def scatter_sub(self, sparse_delta, use_locking=False, name=None):
+        return self._scatter("scatter_sub", sparse_delta, use_locking, name)

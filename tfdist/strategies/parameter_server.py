@@ -1,51 +1,42 @@
 """The parameter-server family: between-graph replication of Keras 3 `fit` on TF's runtime.
 
-Every worker process runs the user's own script and `model.fit`. Model variables and
-optimizer slots are master variables on the ps tasks (shared resources, balanced by size over
-the ps tasks); metric variables stay local to each worker. A worker's train step reads the
-master weights, computes its gradients, pushes them tagged with the global step it read, and
-waits for the chief's updater to release it; the optimizer step a worker's Keras `fit` would
-make is left to the updater, which applies the user's optimizer once per aggregated update on
-the ps devices.
+Every worker process runs the user's own script and `model.fit` on its compute device (its
+GPU when it has one). The model's variables are mirrors (`tfdist.ps.variables`) of master
+variables spread over the ps tasks by size; each ps task runs the updater of its own shard
+(`tfdist.ps.service`), applying the user's Keras optimizer, rebuilt there from its config.
+
+A training step of a worker is one push-and-receive per ps task: it pushes its gradients for
+the shard (with the non-trainable state, BatchNorm statistics), tagged with the global step
+of the weights it computed them on, and takes the reply: the shard's weights after the update
+its push joined, the new global step and the telemetry. Model averaging pushes the model
+every `period` steps instead, on the same engine.
 """
 
 import atexit
-import contextlib
 import logging
 import threading
+import time
 
+import keras
 import tensorflow as tf
 
 from tfdist import _tf_compat
 from tfdist import compression as compression_lib
 from tfdist.compression.base import sum_payload_bytes
-from tfdist.compression.exchange import ReplicaStates
 from tfdist.compression.exchange import compression_logs
-from tfdist.ps import sync
+from tfdist.ps import protocol
+from tfdist.ps.client import RunError
+from tfdist.ps.client import ShardClient
 from tfdist.ps.connection import PSConnection
-from tfdist.ps.connection import ps_device
 from tfdist.ps.policies import AsyncPolicy
 from tfdist.ps.policies import SoftSyncPolicy
-from tfdist.ps.variables import MasterVariable
-from tfdist.ps.variables import master_writes_suppressed
-from tfdist.ps.variables import open_shared_variable
-from tfdist.ps.variables import wait_until_initialized
+from tfdist.ps.service import push_key
+from tfdist.ps.variables import MirrorVariable
+from tfdist.ps.variables import replica_step
 
 log = logging.getLogger("tfdist")
 
-
-class _StepTrace:
-    """What one trace of a worker's train step did (trace-time, Python only)."""
-
-    def __init__(self):
-        self.pushed = False
-        self.num_pushed = 0
-        self.token = None
-        self.stats = None
-        self.compression = None
-        self.update_vars = []
-        self.optimizer = None
-        self.exit_stack = contextlib.ExitStack()
+GRADIENTS, AVERAGING = "gradients", "averaging"
 
 
 def _check_positive(name, value):
@@ -80,208 +71,430 @@ def n_of_m_policy(policy_class, replicas_to_aggregate):
     return make_policy
 
 
-class ParameterServerExtended(_tf_compat.OneDeviceExtended):
-    """The engine of the parameter-server strategies (one replica per worker process)."""
+class _Step:
+    """What one call of the replica function (a trace, or an eager step) did."""
 
-    def __init__(self, container_strategy, make_policy, cluster=None, worker_timeout=120.0,
-                 init_timeout=60.0, connect_timeout=30.0, inter_op_threads=1,
-                 compression=None):
+    def __init__(self):
+        self.expected = None    # gradients in the last batch all-reduce
+        self.recorded = []      # (variable, gradient) of the optimizer's updates
+        self.pushed = False
+        self.trained = False    # the optimizer updated variables (model averaging)
+
+
+class ParameterServerExtended(_tf_compat.OneDeviceExtended):
+    """The engine of the parameter-server strategies (one replica per worker process).
+
+    Args:
+      container_strategy: the public strategy.
+      make_policy: `num_workers -> policy`.
+      mode: `"gradients"` (a push per step) or `"averaging"` (the model every `period`).
+      period, average_optimizer_state: model averaging's settings.
+      cluster, init_timeout, connect_timeout, inter_op_threads, compression: as documented
+        on `SoftSyncStrategy`.
+    """
+
+    def __init__(self, container_strategy, make_policy, cluster=None, init_timeout=60.0,
+                 connect_timeout=30.0, inter_op_threads=1, compression=None,
+                 mode=GRADIENTS, period=1, average_optimizer_state=False):
         compressor = push_compressor(compression)
-        for name, value in (("worker_timeout", worker_timeout), ("init_timeout", init_timeout),
+        for name, value in (("init_timeout", init_timeout),
                             ("connect_timeout", connect_timeout)):
             _check_positive(name, value)
         config = PSConnection.validate(cluster)
         policy = make_policy(config.num_workers)
         connection = PSConnection(config, connect_timeout=connect_timeout,
                                   inter_op_threads=inter_op_threads)
-        super().__init__(container_strategy, connection.local_device)
+        super().__init__(container_strategy, connection.compute_device)
         self._connection = connection
         self._policy = policy
-        self._worker_timeout = worker_timeout
+        self._mode = mode
+        self._period = period
+        self._average_optimizer_state = average_optimizer_state
         self._init_timeout = init_timeout
-        self._chief_name = connection.training_tasks[0]
-        self._resources = sync.SyncResources(connection, compressor=compressor)
         self._compressor = compressor
-        self._compressor_states = ReplicaStates(container_strategy)
-        self._resources.initialize(init_timeout)
-        with tf.init_scope(), tf.device(connection.local_device):
-            self._local_step = tf.Variable(self._resources.read_progress()["global_step"],
-                                           dtype=tf.int64,
-                                           trainable=False, name="tfdist_local_step")
-        self._num_master_variables = 0
+        self._mirrors = []
+        self._paths = {}
         self._tls = threading.local()
-        self._layout = None
+        self._clients = None
+        self._shards = None
         self._optimizer = None
-        self._updater = None
         self._left = False
-        self._chief_watch = None if connection.is_chief else sync.ChiefWatch(self._resources)
+        num_ps, host = connection.num_ps, connection.host_device
+        with tf.init_scope(), tf.device(host):
+            # The global step of each shard's weights this worker holds (its pushes' tags).
+            self._tags = tf.Variable(tf.zeros([num_ps], tf.int64), trainable=False,
+                                     name="tfdist_tags")
+            self._stats = tf.Variable(tf.zeros([protocol.num_stats(connection.num_workers)],
+                                               tf.int64), trainable=False, name="tfdist_stats")
+            self._bytes_sent = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                           name="tfdist_bytes_sent")
+            self._local_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                            name="tfdist_local_steps")
+            self._round_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                            name="tfdist_round_steps")
         atexit.register(self.leave)
 
     # Variables ---------------------------------------------------------------------------
 
+    def _role(self, kwargs):
+        """What a push does with a new variable; None keeps it local to this worker."""
+        dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
+        optimizer = _tf_compat.keras_optimizer_in_scope()
+        if self._mode == AVERAGING:
+            if optimizer is not None and not self._average_optimizer_state:
+                return None
+            return protocol.AVERAGE if dtype.is_floating else None
+        if optimizer is not None:
+            # A LossScaleOptimizer's scale is each worker's own (it scales its own loss).
+            if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+                return None
+            return protocol.OPTIMIZER
+        if not dtype.is_floating:
+            return None
+        return protocol.GRADIENT if kwargs.get("trainable", True) else protocol.VALUE
+
     def _create_variable(self, next_creator, **kwargs):
         if (kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ
-                or sync.in_updater()):
-            # Metric state stays with each worker, as in the built-in strategies.
+                or self._clients is not None):
+            # Metric state, and anything made after the run started, stays with the worker.
             return super()._create_variable(next_creator, **kwargs)
-        colocate_with = kwargs.pop("colocate_with", None)
         with tf.init_scope():
             initial_value = kwargs.get("initial_value")
             if callable(initial_value):
                 initial_value = initial_value()
             initial_value = tf.convert_to_tensor(initial_value, dtype=kwargs.get("dtype"))
-        if isinstance(colocate_with, MasterVariable):
+        kwargs["initial_value"] = initial_value
+        kwargs.setdefault("dtype", initial_value.dtype)
+        role = self._role(kwargs)
+        if role is None:
+            return super()._create_variable(next_creator, **kwargs)
+        colocate_with = kwargs.pop("colocate_with", None)
+        if isinstance(colocate_with, MirrorVariable):
             index = colocate_with._tfdist_ps_index
+        elif role == protocol.OPTIMIZER:
+            index = 0  # the optimizer's own counters: one copy, on ps task 0
         else:
             index = self._connection.place(initial_value.shape, initial_value.dtype)
-        name = (kwargs.get("name") or "Variable").split(":")[0]
-        variable = open_shared_variable(
-            ps_device(index), f"var/{self._num_master_variables}/{name}", initial_value.shape,
-            initial_value.dtype, name, trainable=kwargs.get("trainable"),
-            synchronization=kwargs.get("synchronization"),
-            aggregation=kwargs.get("aggregation"),
-            distribute_strategy=self._container_strategy())
-        self._num_master_variables += 1
-        variable._tfdist_ps_index = index
-        if self._connection.is_chief:
-            with tf.init_scope():
-                variable.assign(initial_value)
-        else:
-            wait_until_initialized(variable, self._init_timeout, f"the chief {self._chief_name}")
+        path = _tf_compat.keras_variable_path((kwargs.get("name") or "Variable").split(":")[0])
+        count = self._paths.get(path, 0)
+        self._paths[path] = count + 1
+        if count:
+            path = f"{path}#{count}"
+        with tf.init_scope(), tf.device(self._device):
+            variable = MirrorVariable.create(path, index, role, **kwargs)
+        self._mirrors.append(variable)
         return variable
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
         del colocate_with_variable
 
-    # The train step ----------------------------------------------------------------------
+    # The step ----------------------------------------------------------------------------
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        trace = _StepTrace()
-        self._tls.trace = trace
+        step = _Step()
+        previous = getattr(self._tls, "step", None)
+        self._tls.step = step
         try:
-            with trace.exit_stack:
+            with replica_step():
                 result = super()._call_for_each_replica(fn, args, kwargs)
+                if self._mode == AVERAGING and step.trained:
+                    self._count_local_step()
         finally:
-            self._tls.trace = None
-        if trace.pushed:
-            self._on_training_trace(trace)
-            if isinstance(result, dict):
-                result = dict(result)
-                result["global_step"] = trace.token
-                result["dropped_gradients"] = trace.stats[sync.STAT_DROPPED]
-                if self._policy.measures_staleness:
-                    aggregated = tf.maximum(trace.stats[sync.STAT_AGGREGATED], 1)
-                    result["staleness_mean"] = (
-                        tf.cast(trace.stats[sync.STAT_STALENESS_SUM], tf.float32)
-                        / tf.cast(aggregated, tf.float32))
-                    result["staleness_max"] = trace.stats[sync.STAT_STALENESS_MAX]
-                if trace.compression is not None:
-                    result.update(compression_logs(trace.compression))
-        return result
+            self._tls.step = previous
+        if not (step.pushed or step.trained) or not isinstance(result, dict):
+            return result
+        return {**result, **self._logs()}
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        trace = getattr(self._tls, "trace", None)
-        if trace is None or trace.pushed or sync.in_updater():
-            return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
-        values = [value for value, _ in value_destination_pairs]
-        flat = sync.GradientLayout.flatten(values)
-        local_step = self._local_step.read_value()
-        payload, state_updates = (flat,), []
-        if self._compressor is not None:
-            payload, state_updates, trace.compression = self._encode(flat, local_step)
-        with tf.control_dependencies(state_updates):
-            token = self._resources.push_and_wait(payload, local_step)
-        set_step = self._local_step.assign(token, read_value=False)
-        with tf.control_dependencies([token]):
-            trace.stats = self._resources.progress.read_value()
-        trace.pushed, trace.token, trace.num_pushed = True, token, len(values)
-        # From here on this trace's writes to master variables are the updater's job.
-        trace.exit_stack.enter_context(master_writes_suppressed())
-        with tf.control_dependencies([set_step]):
-            return [tf.identity(tf.convert_to_tensor(v)) for v in values]
-
-    def _encode(self, flat, local_step):
-        """Compresses this worker's flat gradient; its residual stays with the worker."""
-        compressor = self._compressor
-        states = self._compressor_states.get(
-            ("push", flat.shape.num_elements()),
-            lambda: compressor.initial_state(flat.shape, flat.dtype))
-        state = {name: tf.identity(v[0]) for name, v in states.items()}
-        key = tf.stack([local_step, tf.constant(self._connection.rank, tf.int64)])
-        payload, new_state = compressor.compress(flat, state, key)
-        updates = [states[name][0].assign(new_state[name]) for name in states]
-        stats = {"bytes_sent": sum_payload_bytes([payload]),
-                 "bytes_dense": tf.constant(flat.shape.num_elements() * 4, tf.int64)}
-        return payload, updates, stats
+        step = getattr(self._tls, "step", None)
+        if step is not None:
+            # Keras all-reduces the gradients, then updates each variable: the updates that
+            # follow tell which variable each gradient belongs to.
+            step.expected = len(value_destination_pairs)
+        return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
 
     def _update(self, var, fn, args, kwargs, group):
-        trace = getattr(self._tls, "trace", None)
-        if trace is not None and not sync.in_updater():
-            # A worker's optimizer step: recorded, not run; the updater applies it.
-            if trace.pushed and len(args) == 2:
-                trace.update_vars.append(var)
-                trace.optimizer = trace.optimizer or _tf_compat.keras_optimizer_in_scope()
-            return var if group else (var,)
-        factor = getattr(sync._applier, "learning_rate_factor", None)
-        if sync.in_updater() and factor is not None and len(args) == 2:
-            # A staleness-aware policy scales this update's learning rate.
-            gradient, learning_rate = args
-            args = (gradient, tf.cast(learning_rate, factor.dtype) * factor)
-        with tf.device(var.device), _tf_compat.distribute_lib.UpdateContext(var.device):
-            result = fn(var, *args, **kwargs)
-        if group:
-            return result
-        return tf.nest.map_structure(self._local_results, result)
+        step = getattr(self._tls, "step", None)
+        if step is None:
+            return super()._update(var, fn, args, kwargs, group)
+        if self._mode == AVERAGING:
+            step.trained = step.trained or len(args) == 2
+            return super()._update(var, fn, args, kwargs, group)
+        # A worker's optimizer step is the ps's job: the gradient is recorded, and pushed
+        # once the last gradient of the all-reduce has its variable.
+        if len(args) == 2 and not step.pushed:
+            step.recorded.append((var, args[0]))
+            if len(step.recorded) == step.expected:
+                self._push_gradients(step)
+        return var if group else (var,)
 
     def _use_merge_call(self):
-        return not sync.in_updater()
+        return True
 
-    def _on_training_trace(self, trace):
-        if trace.optimizer is None or len(trace.update_vars) != trace.num_pushed:
-            raise ValueError(
-                "tfdist parameter-server strategies train with a Keras optimizer inside "
-                f"`model.fit` (or `optimizer.apply`): {trace.num_pushed} gradients were "
-                f"pushed but {len(trace.update_vars)} variable updates followed")
-        variables = [v.value if hasattr(v, "value") and not isinstance(v, tf.Variable)
-                     else v for v in trace.update_vars]
-        if self._layout is None:
-            self._layout = sync.GradientLayout(variables)
-            self._optimizer = trace.optimizer
-        elif [id(v) for v in variables] != [id(v) for v in self._layout.variables]:
-            raise ValueError("the trainable variables of the model changed between two traces "
-                             "of its train step; every trace must push the same variables")
-        if self._connection.is_chief and self._updater is None:
-            self._updater = sync.Updater(
-                self._container_strategy(), self._resources, self._optimizer, self._layout,
-                self._policy, self._worker_timeout)
-            self._updater.start()
+    # Joining a run -----------------------------------------------------------------------
+
+    def _ensure_run(self, pushed_variables=()):
+        """At the first training trace: joins (or starts) the run on every ps task."""
+        if self._clients is not None:
+            return
+        pushed = {id(v) for v in pushed_variables}
+        entries = [[] for _ in range(self._connection.num_ps)]
+        self._shards = [[] for _ in range(self._connection.num_ps)]
+        for variable in self._mirrors:
+            role = variable._tfdist_role
+            if role == protocol.GRADIENT and id(variable) not in pushed:
+                role = protocol.VALUE  # trainable, but no gradient reaches it
+                variable._tfdist_role = role
+            entries[variable._tfdist_ps_index].append({
+                "path": variable._tfdist_path, "shape": variable.shape.as_list(),
+                "dtype": variable.dtype.name, "role": role})
+            if role in protocol.PUSHED_ROLES:
+                self._shards[variable._tfdist_ps_index].append(variable)
+        for variables in self._shards:
+            order = {protocol.GRADIENT: 0, protocol.AVERAGE: 0, protocol.VALUE: 1}
+            variables.sort(key=lambda v: order[v._tfdist_role])
+        clients = [ShardClient(self._connection, s) for s in range(self._connection.num_ps)]
+        answers = []
+        with tf.init_scope():
+            for shard, client in enumerate(clients):
+                answers.append(client.hello(self._spec(shard, entries[shard])))
+            if any(a["initialize"] for a in answers):
+                log.info("tfdist: %s initialises the run's master variables",
+                         self._connection.task_name)
+            for client, answer in zip(clients, answers):
+                for variable in self._mirrors:
+                    master = client.masters.get(variable._tfdist_path)
+                    if master is None:
+                        continue
+                    if answer["initialize"]:
+                        master.assign(variable.read_value(), read_value=False)
+                    variable.bind(master)
+            self._clients = clients
+            self._layouts = [protocol.ShardLayout(e) for e in entries]
+            dtypes = (self._compressor.payload_dtypes(tf.float32) if self._compressor
+                      else [tf.float32])
+            for client in clients:
+                client.open_push_queue(dtypes)
+            self._residuals = [None] * len(clients)
+            self._pull()
+
+    def _spec(self, shard, entries):
+        config = self._connection.config
+        optimizer, imports = None, []
+        if self._mode == GRADIENTS:
+            optimizer = keras.optimizers.serialize(self._optimizer)
+            module = type(self._optimizer).__module__
+            if not module.startswith("keras."):
+                imports.append(module)
+        policy = self._policy.to_spec()
+        if ":" in str(policy.get("staleness", "")):
+            imports.append(policy["staleness"])
+        return {"mode": self._mode, "policy": policy, "num_workers": config.num_workers,
+                "worker_tasks": self._connection.training_tasks,
+                "worker_addresses": self._connection.training_addresses,
+                "num_ps": config.num_ps, "shard": shard, "variables": entries,
+                "optimizer": optimizer, "imports": imports,
+                "compression": (None if self._compressor is None
+                                else compression_lib.serialize(self._compressor)),
+                "delta": self._mode == AVERAGING and self._compressor is not None,
+                "init_timeout": self._init_timeout}
+
+    def _pull(self):
+        """Takes the current master weights of every shard (eagerly)."""
+        with tf.init_scope(), replica_step():
+            for shard, client in enumerate(self._clients):
+                token, stats, values = client.sync()
+                self._assign_reply(shard, token, stats, values)
+
+    def _assign_reply(self, shard, token, stats, values):
+        main, rest = self._layouts[shard].split_reply(values)
+        updates = [v.assign(x, read_value=False)
+                   for v, x in zip(self._shards[shard], main + rest)]
+        updates.append(self._tags.scatter_nd_update([[shard]], [token]))
+        if shard == 0:
+            updates.append(self._stats.assign(stats, read_value=False))
+        if self._compressor is not None and self._mode == AVERAGING:
+            updates.append(self._base(shard).assign(values[:self._layouts[shard].main_size]))
+        return updates
+
+    # Pushing -----------------------------------------------------------------------------
+
+    def _push_gradients(self, step):
+        step.pushed = True
+        variables = [v for v, _ in step.recorded]
+        if self._optimizer is None:
+            self._optimizer = _tf_compat.keras_optimizer_in_scope()
+            if self._optimizer is None:
+                raise ValueError(
+                    "tfdist parameter-server strategies train with a Keras optimizer inside "
+                    "`model.fit` (or `optimizer.apply` in `strategy.run`)")
+        unknown = [v.name for v in variables if not isinstance(v, MirrorVariable)]
+        if unknown:
+            raise ValueError(f"these trained variables were not created under the strategy's "
+                             f"scope: {unknown}. Build the model and compile it inside "
+                             "`with strategy.scope():`")
+        self._ensure_run(variables)
+        gradients = {id(v): g for v, g in step.recorded}
+        missing = [v._tfdist_path for s in self._shards for v in s
+                   if v._tfdist_role == protocol.GRADIENT and id(v) not in gradients]
+        if missing:
+            raise ValueError(f"the train step pushed no gradient for {missing}, which an "
+                             "earlier trace trained; every trace must train the same variables")
+        self._exchange(lambda v: gradients[id(v)])
+
+    def _exchange(self, main_tensor):
+        """One push-and-receive per ps task, in parallel; the replies land in the mirrors."""
+        updates, sent = [], []
+        for shard, client in enumerate(self._clients):
+            layout = self._layouts[shard]
+            variables = self._shards[shard]
+            main = protocol.ShardLayout.flatten(
+                [main_tensor(v) for v in variables[:len(layout.main)]])
+            values = protocol.ShardLayout.flatten(
+                [v.read_value() for v in variables[len(layout.main):]])
+            tag = self._tags[shard]
+            payload, state_updates = (main,), []
+            if self._compressor is not None:
+                payload, state_updates = self._compress(shard, main, tag)
+                sent.append(payload)
+            # Shards do not wait for each other: their round trips overlap.
+            with tf.control_dependencies(state_updates):
+                token, stats, reply = client.push_and_receive(tag, payload, values)
+            updates += self._assign_reply(shard, token, stats, reply)
+        if sent:
+            updates.append(self._bytes_sent.assign(sum_payload_bytes(sent)))
+        return tf.group(updates)
+
+    def _compress(self, shard, flat, tag):
+        """Compresses this worker's part for `shard`; its residual stays with the worker."""
+        compressor = self._compressor
+        if self._residuals[shard] is None:
+            with tf.init_scope(), tf.device(self._device):
+                initial = compressor.initial_state(flat.shape, flat.dtype)
+                self._residuals[shard] = {
+                    name: tf.Variable(value, trainable=False, name=f"tfdist_{name}")
+                    for name, value in initial.items()}
+        states = self._residuals[shard]
+        key = push_key(tag, self._connection.rank, shard, self._connection.num_workers)
+        payload, new_state = compressor.compress(
+            flat, {name: v.read_value() for name, v in states.items()}, key)
+        return payload, [states[name].assign(new_state[name]) for name in states]
+
+    def _base(self, shard):
+        """Model averaging with compression: the shard's model at the last average."""
+        if not hasattr(self, "_bases"):
+            self._bases = {}
+        if shard not in self._bases:
+            size = self._layouts[shard].main_size
+            with tf.init_scope(), tf.device(self._device):
+                self._bases[shard] = tf.Variable(tf.zeros([size]), trainable=False,
+                                                 name="tfdist_base")
+        return self._bases[shard]
+
+    # Model averaging ------------------------------------------------------------------------
+
+    def _count_local_step(self):
+        if self._clients is None:
+            self._ensure_run()
+        count = self._local_steps.assign_add(1)
+        since = self._round_steps.assign_add(1)
+        with tf.control_dependencies([since]):
+            tf.cond(tf.equal(count % self._period, 0), self._average, tf.no_op)
+
+    def _average(self):
+        """Pushes this worker's model (or its change), and takes the round's average."""
+        def model_part(variable):
+            return variable.read_value()
+
+        if self._compressor is None:
+            done = self._exchange(model_part)
+        else:
+            offsets = {}
+            for shard, variables in enumerate(self._shards):
+                start = 0
+                for v in variables:
+                    offsets[id(v)] = (shard, start, v.shape.num_elements())
+                    start += v.shape.num_elements()
+
+            def change(variable):
+                shard, start, size = offsets[id(variable)]
+                base = self._base(shard).read_value()[start:start + size]
+                return tf.reshape(tf.cast(variable.read_value(), tf.float32), [-1]) - base
+
+            done = self._exchange(change)
+        with tf.control_dependencies([done]):
+            return tf.group(self._round_steps.assign(0))
+
+    # Logs ------------------------------------------------------------------------------------
+
+    def _logs(self):
+        stats = self._stats.read_value()
+        if self._mode == AVERAGING:
+            logs = {"averaging_round": stats[protocol.STAT_STEP],
+                    "dropped_models": stats[protocol.STAT_DROPPED]}
+        else:
+            logs = {"global_step": stats[protocol.STAT_STEP],
+                    "dropped_gradients": stats[protocol.STAT_DROPPED]}
+        if self._policy.measures_staleness:
+            aggregated = tf.maximum(stats[protocol.STAT_AGGREGATED], 1)
+            logs["staleness_mean"] = (tf.cast(stats[protocol.STAT_STALENESS_SUM], tf.float32)
+                                      / tf.cast(aggregated, tf.float32))
+            logs["staleness_max"] = stats[protocol.STAT_STALENESS_MAX]
+        if self._compressor is not None:
+            dense = 4 * sum(layout.main_size for layout in self._layouts)
+            logs.update(compression_logs({"bytes_sent": self._bytes_sent.read_value(),
+                                          "bytes_dense": tf.constant(dense, tf.int64)}))
+        return logs
 
     # Lifecycle ---------------------------------------------------------------------------
 
-    def leave(self, timeout=None):
-        """Ends this worker's part in training; on the chief, waits for the others too.
+    def leave(self, wait=False, timeout=None):
+        """Ends this worker's part in training.
 
-        Called at exit; call it yourself to wait, on the chief, until every worker has
-        finished (the master weights are final afterwards).
+        Model averaging first pushes the steps taken since the last round. With `wait`
+        (the chief's `join()`), waits until every other worker has left or died, so that the
+        weights this worker then takes are final. The local model ends on the master weights.
+        Called at exit (without waiting).
         """
         if self._left:
             return
         self._left = True
-        if self._chief_watch is not None:
-            self._chief_watch.stop()
         try:
-            self._resources.send_control(sync.LEAVE, self._connection.rank)
-        except (tf.errors.OpError, RuntimeError, ValueError) as e:
-            log.warning("tfdist: could not tell the chief that %s left: %s",
+            if self._clients is None:
+                for shard in range(self._connection.num_ps):
+                    ShardClient(self._connection, shard).absent()
+                return
+            if self._mode == AVERAGING and int(self._round_steps.numpy()):
+                with replica_step():
+                    tf.function(self._average)()
+            if wait:
+                self._wait_for_others(timeout)
+            self._pull()
+            for client in self._clients:
+                client.send_control(protocol.LEAVE)
+        except (tf.errors.OpError, RunError) as e:
+            log.warning("tfdist: %s could not leave the run cleanly: %s",
                         self._connection.task_name, e)
-        updater = self._updater
-        if updater is not None:
-            timeout = self._worker_timeout + 10 if timeout is None else timeout
-            if not updater.join(timeout):
-                log.warning("tfdist: the updater did not finish within %g s; stopping it",
-                            timeout)
-                updater.stop()
-                updater.join(5)
+
+    def _wait_for_others(self, timeout):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        me = self._connection.rank
+        while True:
+            live = set(self._clients[0].read_progress()["live"]) - {me}
+            if not live:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                log.warning("tfdist: %s stops waiting for %s after %g s",
+                            self._connection.task_name,
+                            [self._connection.training_tasks[r] for r in sorted(live)], timeout)
+                return
+            time.sleep(0.1)
+
+    def progress(self):
+        if self._clients is None:
+            return protocol.progress_dict([0] * protocol.num_stats(self._connection.num_workers),
+                                          self._connection.num_workers)
+        return self._clients[0].read_progress()
 
     # Properties --------------------------------------------------------------------------
 
@@ -306,7 +519,7 @@ class ParameterServerStrategyBase(tf.distribute.Strategy):
 
     @property
     def is_chief(self):
-        """True on the task that initialises variables and runs the updater."""
+        """True on worker 0, which initialises the run and writes checkpoints."""
         return self.extended._connection.is_chief
 
     @property
@@ -340,19 +553,18 @@ class ParameterServerStrategyBase(tf.distribute.Strategy):
         return out[0] if len(out) == 1 else tuple(out)
 
     def join(self, timeout=None):
-        """Ends this worker's training; on the chief, waits until every worker has finished."""
-        self.extended.leave(timeout)
+        """Ends this worker's training; the model then holds the master weights.
+
+        On the chief, first waits until every other worker has left or died (at most
+        `timeout` seconds, None: as long as they are alive), so that the weights are final.
+        """
+        self.extended.leave(wait=self.is_chief, timeout=timeout)
 
     def progress(self):
-        """The telemetry the ps holds now: global_step, dropped_gradients,
-        aggregated_gradients, staleness_mean, staleness_max, staleness_histogram."""
-        return self.extended._resources.read_progress()
-
-    @property
-    def updater_stats(self):
-        """On the chief, the updater's counters (updates, dropped, left, dead), else None."""
-        updater = self.extended._updater
-        return None if updater is None else updater.stats
+        """The telemetry of ps task 0: global_step, dropped_gradients, aggregated_gradients,
+        staleness_mean, staleness_max, staleness_histogram, max_clock_gap, and the workers
+        `live`, `left` and `dead`."""
+        return self.extended.progress()
 
 
 class SoftSyncStrategy(ParameterServerStrategyBase):
@@ -360,8 +572,9 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
 
     Each update averages the first `replicas_to_aggregate` (N) fresh gradients of the M
     workers; gradients computed at an older global step are dropped and counted. N = M is hard
-    synchronous training; N < M gives M - N backup workers, so that slow or dead workers do not
-    hold the others back. The user's Keras optimizer is applied once per update, on the ps.
+    synchronous training; N < M gives M - N backup workers, so that slow or dead workers (the
+    chief included) do not hold the others back. The user's Keras optimizer is applied once
+    per update, on the ps tasks, each to its own shard of the variables.
 
     ```python
     strategy = tfdist.strategies.SoftSyncStrategy(replicas_to_aggregate=2)  # TF_CONFIG
@@ -375,18 +588,16 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
     Args:
       replicas_to_aggregate: N, gradients per update; None for all the workers (hard sync).
       cluster: a `tfdist.cluster.ClusterConfig`, TF_CONFIG dict / JSON, a cluster resolver,
-        or None to read TF_CONFIG. It needs at least one ps task.
-      worker_timeout: seconds the chief waits without any update before it stops the run.
-        A worker whose server goes away is noticed within about a second.
-      init_timeout: seconds a worker waits for the chief to initialise the variables.
+        or None to read TF_CONFIG. It needs at least one ps task, served by
+        `tfdist-launch --job_name=ps`.
+      init_timeout: seconds the ps tasks wait for the chief to initialise a new run.
       connect_timeout: seconds the ps tasks get to start listening.
       inter_op_threads: inter-op threads of this worker's TF executor (None: TF's default).
         One is fastest when per-step latency dominates (small models, shared cores).
       compression: a `tfdist.compression` compressor (or its name / config) for the push:
-        each worker encodes its gradient (keeping its own error-feedback residual) and the
-        updater decodes it on ps task 0. The logs then carry `bytes_sent`, `bytes_dense`
-        and `compression_ratio`. Compressors that need all-reduce rounds (PowerSGD) are
-        refused.
+        each worker encodes its gradient (keeping its own error-feedback residual) and each
+        ps task decodes its shard. The logs then carry `bytes_sent`, `bytes_dense` and
+        `compression_ratio`. Compressors that need all-reduce rounds (PowerSGD) are refused.
 
     Raises:
       ValueError: `replicas_to_aggregate` is not between 1 and the number of workers, the
@@ -394,14 +605,12 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
       TaskUnreachableError: a ps task did not answer within `connect_timeout`.
     """
 
-    def __init__(self, replicas_to_aggregate=None, cluster=None, worker_timeout=120.0,
-                 init_timeout=60.0, connect_timeout=30.0, inter_op_threads=1,
-                 compression=None):
+    def __init__(self, replicas_to_aggregate=None, cluster=None, init_timeout=60.0,
+                 connect_timeout=30.0, inter_op_threads=1, compression=None):
         super().__init__(ParameterServerExtended(
             self, n_of_m_policy(SoftSyncPolicy, replicas_to_aggregate), cluster=cluster,
-            worker_timeout=worker_timeout, init_timeout=init_timeout,
-            connect_timeout=connect_timeout, inter_op_threads=inter_op_threads,
-            compression=compression))
+            init_timeout=init_timeout, connect_timeout=connect_timeout,
+            inter_op_threads=inter_op_threads, compression=compression))
 
     @property
     def replicas_to_aggregate(self):
@@ -411,11 +620,11 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
 class AsyncStrategy(ParameterServerStrategyBase):
     """Asynchronous SGD through parameter servers, staleness-aware.
 
-    Every worker's gradient becomes an update as soon as the chief's updater takes it, with the
-    user's Keras optimizer on the ps. The staleness tau of an update (global steps applied
-    between the read of the weights it was computed on and its own application) is measured
-    for every update and reported (`staleness_mean`, `staleness_max` in the Keras logs; the
-    histogram in `strategy.progress()`).
+    Every worker's gradient becomes an update as soon as the ps takes it, with the user's
+    Keras optimizer. The staleness tau of an update (global steps applied between the weights
+    its gradient was computed on, which the worker was sent with its last reply, and its own
+    application) is measured for every update and reported (`staleness_mean`,
+    `staleness_max` in the Keras logs; the histogram in `strategy.progress()`).
 
     ```python
     strategy = tfdist.strategies.AsyncStrategy(staleness="inverse", max_staleness=8)
@@ -427,30 +636,30 @@ class AsyncStrategy(ParameterServerStrategyBase):
 
     Args:
       staleness: how the learning rate of an update depends on its staleness: "none" (plain
-        async SGD), "inverse" (lr / max(1, tau), Zhang et al. 2016), or a callable taking the
-        int64 staleness tensor and returning a float factor (traced into the update).
+        async SGD), "inverse" (lr / max(1, tau), Zhang et al. 2016), or a function taking
+        the int64 staleness tensor and returning a float factor, traced into the update on
+        the ps tasks: it must be importable there (a module-level function).
       max_staleness: None, or a bound s. With `on_stale="drop"` a gradient staler than s
         is dropped, counted, and its worker goes on from the current weights; with
         `on_stale="wait"` (stale synchronous parallel) a worker more than s pushes ahead of
         the slowest live worker waits for it.
       delay_compensation: None, or lambda of delay-compensated ASGD (Zheng et al. 2017):
         g + lambda * g * g * (w_now - w_read), where w_read are the weights the worker was
-        last released with (kept per worker on ps task 0).
+        sent with its last reply (kept per worker on each ps task).
       on_stale: "drop" or "wait", see `max_staleness`.
-      cluster, worker_timeout, init_timeout, connect_timeout, inter_op_threads, compression:
-        as for `SoftSyncStrategy`.
+      cluster, init_timeout, connect_timeout, inter_op_threads, compression: as for
+        `SoftSyncStrategy`.
     """
 
     def __init__(self, staleness="none", max_staleness=None, delay_compensation=None,
-                 on_stale="drop", cluster=None, worker_timeout=120.0, init_timeout=60.0,
-                 connect_timeout=30.0, inter_op_threads=1, compression=None):
+                 on_stale="drop", cluster=None, init_timeout=60.0, connect_timeout=30.0,
+                 inter_op_threads=1, compression=None):
         policy = AsyncPolicy(staleness, max_staleness, delay_compensation, on_stale)
         super().__init__(ParameterServerExtended(
-            self, lambda total: policy, cluster=cluster, worker_timeout=worker_timeout,
-            init_timeout=init_timeout, connect_timeout=connect_timeout,
-            inter_op_threads=inter_op_threads, compression=compression))
+            self, lambda total: policy, cluster=cluster, init_timeout=init_timeout,
+            connect_timeout=connect_timeout, inter_op_threads=inter_op_threads,
+            compression=compression))
 
     @property
     def policy(self):
         return self.extended._policy
-

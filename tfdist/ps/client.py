@@ -1,0 +1,130 @@
+"""A worker's side of the protocol with one ps task (see `tfdist.ps.protocol`)."""
+
+import os
+
+import tensorflow as tf
+
+from tfdist.ps import protocol
+from tfdist.ps.variables import open_shared_variable
+
+
+class RunError(RuntimeError):
+    """A ps task refused this worker, or its run failed."""
+
+
+class ShardClient:
+    """Talks to ps task `shard`: hello, then pushes and replies within its run.
+
+    Args:
+      connection: the worker's `PSConnection`.
+      shard: the ps task's index.
+    """
+
+    def __init__(self, connection, shard):
+        self.connection = connection
+        self.shard = shard
+        self.rank = connection.rank
+        self.device = connection.ps_devices[shard]
+        self.task = connection.ps_names[shard]
+        self.run = None
+        with tf.init_scope(), tf.device(self.device):
+            self.control = tf.raw_ops.FIFOQueueV2(
+                component_types=[tf.string], shapes=[], capacity=-1,
+                container=protocol.CONTAINER, shared_name=protocol.CONTROL_QUEUE)
+            self.answers = tf.raw_ops.FIFOQueueV2(
+                component_types=[tf.string], shapes=[], capacity=-1,
+                container=protocol.CONTAINER, shared_name=f"hello/{self.rank}")
+
+    def _send_control(self, message):
+        with tf.init_scope(), tf.device(self.device):
+            tf.raw_ops.QueueEnqueueV2(handle=self.control,
+                                      components=[tf.constant(protocol.encode(message))])
+
+    def hello(self, spec):
+        """Joins (or starts) the ps task's run for `spec`; returns the ps's answer."""
+        nonce = os.urandom(8).hex()
+        self._send_control({"type": "hello", "rank": self.rank, "nonce": nonce, "spec": spec})
+        while True:
+            with tf.init_scope(), tf.device(self.device):
+                text = tf.raw_ops.QueueDequeueV2(handle=self.answers,
+                                                 component_types=[tf.string])[0]
+            answer = protocol.decode(text.numpy())
+            if answer.get("nonce") == nonce:  # older answers were for an earlier process
+                break
+        if answer.get("error"):
+            raise RunError(f"{self.task} at {self.connection.ps_addresses[self.shard]}: "
+                           f"{answer['error']}")
+        self.open_run(answer["run"], spec)
+        return answer
+
+    def absent(self):
+        """Tells the ps this worker will not train (it never joined a run)."""
+        self._send_control({"type": "absent", "rank": self.rank})
+
+    def open_run(self, run, spec):
+        self.run = run
+        self.num_workers = spec["num_workers"]
+        name = lambda n: protocol.run_name(run, n)  # noqa: E731
+        self.push_dtypes = None
+        with tf.init_scope(), tf.device(self.device):
+            self.reply_queue = tf.raw_ops.FIFOQueueV2(
+                component_types=protocol.REPLY_DTYPES, shapes=[], capacity=-1,
+                container=protocol.CONTAINER, shared_name=name(f"reply/{self.rank}"))
+        self.progress = open_shared_variable(
+            self.device, name("progress"), [protocol.num_stats(self.num_workers)], tf.int64,
+            "progress", container=protocol.CONTAINER)
+        self.masters = {
+            e["path"]: open_shared_variable(
+                self.device, protocol.variable_name(run, e["path"]), e["shape"], e["dtype"],
+                e["path"].rpartition("/")[2], container=protocol.CONTAINER)
+            for e in spec["variables"]}
+
+    def open_push_queue(self, payload_dtypes):
+        self.push_dtypes = protocol.push_dtypes(payload_dtypes)
+        with tf.init_scope(), tf.device(self.device):
+            self.push_queue = tf.raw_ops.FIFOQueueV2(
+                component_types=self.push_dtypes, shapes=[], capacity=-1,
+                container=protocol.CONTAINER,
+                shared_name=protocol.run_name(self.run, "push"))
+
+    # In-graph (or eager) ---------------------------------------------------------------------
+
+    def push_and_receive(self, tag, payload, values):
+        """Pushes, then takes this worker's reply: `(token, stats, flat values)`.
+
+        Raises in-graph, with the ps's message, if the reply is an error.
+        """
+        with tf.device(self.device):
+            push = tf.raw_ops.QueueEnqueueV2(
+                handle=self.push_queue,
+                components=[tag, tf.constant(self.rank, tf.int32), *payload, values])
+            with tf.control_dependencies([push]):
+                return self.receive()
+
+    def receive(self):
+        with tf.device(self.device):
+            token, message, stats, values = tf.raw_ops.QueueDequeueV2(
+                handle=self.reply_queue, component_types=protocol.REPLY_DTYPES)
+        check = tf.debugging.Assert(token >= 0, [message])
+        with tf.control_dependencies([check]):
+            return tf.identity(token), tf.identity(stats), tf.identity(values)
+
+    def send_control(self, kind):
+        with tf.init_scope(), tf.device(self.device):
+            tf.raw_ops.QueueEnqueueV2(
+                handle=self.push_queue,
+                components=[tf.constant(kind, tf.int64), tf.constant(self.rank, tf.int32),
+                            *[tf.zeros([0], d) for d in self.push_dtypes[2:]]])
+
+    def sync(self):
+        """Asks for the current weights (eagerly); returns `(token, stats, values)`."""
+        self.send_control(protocol.SYNC)
+        with tf.init_scope():
+            try:
+                return self.receive()
+            except tf.errors.InvalidArgumentError as e:
+                raise RunError(f"{self.task}: {e.message}") from None
+
+    def read_progress(self):
+        with tf.init_scope():
+            return protocol.progress_dict(self.progress.numpy().tolist(), self.num_workers)

@@ -1,0 +1,158 @@
+"""What workers and ps tasks say to each other: shared names, the job spec, queue layouts.
+
+Every ps task serves its own shard of the model. Its shared resources (container `tfdist`):
+
+* `control`: a string queue the ps creates when it starts. A worker says `hello` there with
+  its rank, a nonce and the spec of the shard (variables, optimizer config, policy); the ps
+  answers on `hello/{rank}` with the run the worker belongs to.
+* per run, under `run/{run}/`: the master variables (`var/{path}`, keyed by the Keras
+  variable path), the `push` queue (`tag, rank, payload..., values`), one `reply/{rank}`
+  queue per worker (`token, message, progress, values`) and the `progress` vector.
+
+A worker step is one push and one reply per ps task: the reply carries the global step
+(token), the shard's new values (the weights the worker computes its next gradient on) and
+the shard's telemetry; a negative token carries an error message instead. Tags below zero on
+the push queue are control entries (`LEAVE`, `DEAD`, `STOP`, `SYNC`).
+"""
+
+import json
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.ps.policies import HISTOGRAM_BUCKETS
+
+CONTAINER = "tfdist"
+CONTROL_QUEUE = "control"
+
+# Control tags of the push queue.
+LEAVE, DEAD, STOP, SYNC = -1, -2, -3, -4
+
+# Layout of the progress vector (then one membership entry per worker rank).
+(STAT_STEP, STAT_UPDATES, STAT_DROPPED, STAT_AGGREGATED, STAT_STALENESS_SUM,
+ STAT_STALENESS_MAX, STAT_CLOCK_GAP) = range(7)
+STAT_HISTOGRAM = 7
+STAT_MEMBERS = STAT_HISTOGRAM + HISTOGRAM_BUCKETS
+# Membership of a rank: not seen yet, training, left, died.
+EXPECTED, LIVE, LEFT, DIED = 0, 1, 2, 3
+
+# Roles of a shard's variables.
+GRADIENT = "gradient"    # trainable: its gradient is pushed, the optimizer applies the mean
+VALUE = "value"          # non-trainable state (BatchNorm statistics): the mean is assigned
+AVERAGE = "average"      # model averaging: the mean model (or mean change) is assigned
+OPTIMIZER = "optimizer"  # the optimizer's own variables: live on the ps, never pushed
+PUSHED_ROLES = (GRADIENT, VALUE, AVERAGE)
+
+
+def num_stats(num_workers):
+    return STAT_MEMBERS + num_workers
+
+
+def progress_dict(values, num_workers):
+    """The progress vector as a dict (global_step, dropped, staleness, membership...)."""
+    values = [int(v) for v in values]
+    aggregated = values[STAT_AGGREGATED]
+    members = values[STAT_MEMBERS:STAT_MEMBERS + num_workers]
+    return {
+        "global_step": values[STAT_STEP],
+        "updates": values[STAT_UPDATES],
+        "dropped_gradients": values[STAT_DROPPED],
+        "aggregated_gradients": aggregated,
+        "staleness_mean": values[STAT_STALENESS_SUM] / aggregated if aggregated else 0.0,
+        "staleness_max": values[STAT_STALENESS_MAX],
+        "staleness_histogram": values[STAT_HISTOGRAM:STAT_MEMBERS],
+        "max_clock_gap": values[STAT_CLOCK_GAP],
+        "live": [r for r, m in enumerate(members) if m in (EXPECTED, LIVE)],
+        "left": [r for r, m in enumerate(members) if m == LEFT],
+        "dead": [r for r, m in enumerate(members) if m == DIED],
+    }
+
+
+def run_name(run, name):
+    return f"run/{run}/{name}"
+
+
+def variable_name(run, path):
+    return run_name(run, f"var/{path}")
+
+
+class ShardLayout:
+    """How one shard's pushed variables are flattened into float32 vectors, and back.
+
+    `main` are the variables whose part of a push goes through the compressor (gradients, or
+    the averaged model); `values` the non-trainable state pushed as it is. A reply carries
+    the values of `main + values`, in that order.
+
+    Args:
+      entries: the shard's spec entries (dicts with `path`, `shape`, `dtype`, `role`).
+    """
+
+    def __init__(self, entries):
+        self.main = [e for e in entries if e["role"] in (GRADIENT, AVERAGE)]
+        self.values = [e for e in entries if e["role"] == VALUE]
+        self.main_sizes = [_size(e["shape"]) for e in self.main]
+        self.value_sizes = [_size(e["shape"]) for e in self.values]
+        self.main_size = int(sum(self.main_sizes))
+        self.value_size = int(sum(self.value_sizes))
+        self.reply_size = self.main_size + self.value_size
+
+    @staticmethod
+    def flatten(tensors):
+        if not tensors:
+            return tf.zeros([0], tf.float32)
+        return tf.concat([tf.reshape(tf.cast(tf.convert_to_tensor(t), tf.float32), [-1])
+                          for t in tensors], axis=0)
+
+    def unflatten(self, flat, entries, sizes):
+        if not entries:
+            return []
+        return [tf.cast(tf.reshape(part, e["shape"]), e["dtype"])
+                for part, e in zip(tf.split(flat, sizes), entries)]
+
+    def split_reply(self, flat):
+        """`(main values, value values)` of a reply's flat vector, in each variable's dtype."""
+        main, values = tf.split(flat, [self.main_size, self.value_size])
+        return (self.unflatten(main, self.main, self.main_sizes),
+                self.unflatten(values, self.values, self.value_sizes))
+
+
+def _size(shape):
+    return int(np.prod(shape)) if shape else 1
+
+
+def push_dtypes(payload_dtypes):
+    """Component dtypes of a push: tag, rank, the main part's payload, the values."""
+    return [tf.int64, tf.int32, *payload_dtypes, tf.float32]
+
+
+REPLY_DTYPES = [tf.int64, tf.string, tf.int64, tf.float32]
+
+
+def encode(message):
+    return json.dumps(message, sort_keys=True)
+
+
+def decode(text):
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")
+    return json.loads(text)
+
+
+def compare_specs(run_spec, spec):
+    """None if a worker's shard spec fits the run's, else what differs (for its error)."""
+    keys = ("mode", "policy", "num_workers", "num_ps", "shard", "optimizer", "compression")
+    for key in keys:
+        if run_spec.get(key) != spec.get(key):
+            return (f"its {key} is {spec.get(key)!r}, the run's is {run_spec.get(key)!r}")
+    mine = {e["path"]: e for e in spec["variables"]}
+    theirs = {e["path"]: e for e in run_spec["variables"]}
+    for path in sorted(set(mine) | set(theirs)):
+        if path not in theirs:
+            return f"it has variable {path!r}, which the run does not"
+        if path not in mine:
+            return f"the run has variable {path!r}, which it does not"
+        for field in ("shape", "dtype", "role"):
+            if mine[path][field] != theirs[path][field]:
+                return (f"variable {path!r} has {field} {mine[path][field]!r}, in the run "
+                        f"{theirs[path][field]!r}")
+    return None
