@@ -46,13 +46,23 @@ class _Pace(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
-def _measure(strategy, out_dir):
+def _progress(strategy, pace):
+    """The parameter-server telemetry, or for the others the chief's own step count (every
+    step of an all-reduce or one-process run is one update)."""
+    if hasattr(strategy, "progress"):
+        return strategy.progress()
+    steps = len(pace.step_times)
+    return {"global_step": steps, "dropped_gradients": 0, "aggregated_gradients": steps,
+            "staleness_max": 0, "staleness_mean": 0.0}
+
+
+def _measure(strategy, pace, out_dir):
     """On the chief: global steps per second over the window."""
     time.sleep(FLAGS.warmup)
-    before = strategy.progress()
+    before = _progress(strategy, pace)
     start = time.monotonic()
     time.sleep(FLAGS.window)
-    after = strategy.progress()
+    after = _progress(strategy, pace)
     elapsed = time.monotonic() - start
     with open(os.path.join(out_dir, "rate.json"), "w") as f:
         json.dump({name: (after[name] - before[name]) / elapsed for name in
@@ -70,7 +80,10 @@ def main(argv):
     x, y = load_digits(return_X_y=True)
     x, y = (x / 16.0).astype("float32"), y.astype("int32")
     strategy = tfdist.strategies.from_flags()
-    rank = getattr(strategy, "worker_index", 0)
+    resolver = getattr(strategy, "cluster_resolver", None)
+    rank = getattr(strategy, "worker_index", None)
+    if rank is None:
+        rank = resolver.task_id if resolver is not None and resolver.task_id else 0
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
@@ -84,8 +97,9 @@ def main(argv):
     pace = _Pace(FLAGS.straggler_delay if rank == FLAGS.straggler_rank else 0.0,
                  os.path.join(FLAGS.out_dir, "stop"))
     if rank == 0:
-        threading.Thread(target=_measure, args=(strategy, FLAGS.out_dir), daemon=True).start()
-    model.fit(x, y, batch_size=FLAGS.batch_size, epochs=1, verbose=0, callbacks=[pace])
+        threading.Thread(target=_measure, args=(strategy, pace, FLAGS.out_dir),
+                         daemon=True).start()
+    model.fit(x, y, batch_size=FLAGS.batch_size, epochs=1000, verbose=0, callbacks=[pace])
     if hasattr(strategy, "join"):
         strategy.join()
     times = pace.step_times[5:] or pace.step_times

@@ -144,7 +144,8 @@ def main(argv):
               "progress": strategy.progress(),
               "pushes": int(sum(len(range(0, len(xs), BATCH)) for _ in history.epoch))
               + (1 if FLAGS.scenario == "late" else 0),
-              "local_weights": [w.tolist() for w in model.get_weights()]}
+              "local_weights": [w.tolist() for w in model.get_weights()],
+              "devices": sorted({w.value.device for w in model.weights})}
     if strategy.is_chief:
         stats = result["progress"]
         result.update(updates=stats["updates"], dropped=stats["dropped_gradients"],

@@ -7,6 +7,7 @@ launcher reaps every process, also when an assertion fails.
 import os
 import signal
 import time
+from unittest import mock
 
 import numpy as np
 import tensorflow as tf
@@ -22,6 +23,7 @@ from tests.strategies.ps_testing import wait_for_line
 from tfdist.cluster import ClusterConfig
 from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import pick_free_ports
+from tfdist.ps.connection import compute_device
 
 
 class HardSyncEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
@@ -43,6 +45,8 @@ class HardSyncEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
 
         for got, want in zip(chief["weights"], one_process_reference(out, optimizer, 3)):
             self.assertAllClose(np.array(got), want, rtol=1e-5, atol=1e-6)
+        # The model trains on the worker's own device (its CPU here: no GPU).
+        self.assertEqual(chief["devices"], ["/job:worker/replica:0/task:0/device:CPU:0"])
 
 
 def one_process_reference(out, optimizer, epochs):
@@ -223,6 +227,16 @@ class ConstructionTest(tf.test.TestCase):
         with self.assertRaisesRegex(TaskUnreachableError,
                                     r"/job:ps/task:0 at localhost:\d+ did not answer in 1 s"):
             tfdist.strategies.SoftSyncStrategy(cluster=config, connect_timeout=1)
+
+    def test_workers_compute_on_their_first_gpu(self):
+        # No GPU here: the choice is tested, with the local GPUs given or mocked.
+        self.assertEqual(compute_device("worker", 2, gpus=["GPU:0", "GPU:1"]),
+                         "/job:worker/replica:0/task:2/device:GPU:0")
+        self.assertEqual(compute_device("worker", 2, gpus=[]),
+                         "/job:worker/replica:0/task:2/device:CPU:0")
+        gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
+        with mock.patch.object(tf.config, "list_physical_devices", return_value=[gpu]):
+            self.assertEqual(compute_device("chief", 0), "/job:chief/replica:0/task:0/device:GPU:0")
 
     def test_bad_timeouts(self):
         with self.assertRaisesRegex(ValueError, "`init_timeout` must be a positive number"):

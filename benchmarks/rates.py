@@ -1,0 +1,108 @@
+"""Update rates of every strategy on one job, in one run: one process, MWMS, the PS family.
+
+    python benchmarks/rates.py --num_workers=2 --out=benchmarks/results/rates
+
+Job: the digits MLP of `ps_worker.py` (64-64-10, 4.8 k parameters, batch 32 per worker, SGD),
+on this machine's local clusters (localhost, no bandwidth limit). Each row runs its own
+cluster and measures, on the chief, global updates per second over `--window` seconds after a
+warm-up; rows are run `--repeats` times, interleaved, and the median is kept. Ratios are
+against tfdist's `MultiWorkerMirroredStrategy` measured in the same run. Bytes per ps task
+are the model bytes each task holds (what each push and reply carries for it).
+"""
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+from absl import app
+from absl import flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("num_workers", 2, "Workers M.", lower_bound=1)
+flags.DEFINE_float("window", 8.0, "Seconds of each measurement window.", lower_bound=1)
+flags.DEFINE_float("warmup", 4.0, "Seconds before each window.", lower_bound=0)
+flags.DEFINE_integer("repeats", 2, "Runs of each row (interleaved); the median is kept.",
+                     lower_bound=1)
+flags.DEFINE_float("timeout", 180.0, "Seconds each run may take.")
+flags.DEFINE_string("out", os.path.join("benchmarks", "results", "rates"),
+                    "Output path without extension.")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REFERENCE = "multi_worker_mirrored"
+
+
+def rows(m):
+    return {
+        "one process (one_device)": (["--strategy=one_device"], 0, 1),
+        REFERENCE: (["--strategy=multi_worker_mirrored"], 0, m),
+        "hard sync, 1 ps": (["--strategy=soft_sync"], 1, m),
+        "hard sync, 2 ps": (["--strategy=soft_sync"], 2, m),
+        "async, 1 ps": (["--strategy=async"], 1, m),
+        "async, 2 ps": (["--strategy=async"], 2, m),
+        "model averaging, period 1, 1 ps": (["--strategy=model_averaging"], 1, m),
+    }
+
+
+def run_once(strategy_flags, num_ps, num_workers):
+    from tfdist.launch import LocalCluster
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        command = [sys.executable, os.path.join(HERE, "ps_worker.py"), f"--out_dir={out_dir}",
+                   f"--window={FLAGS.window}", f"--warmup={FLAGS.warmup}", *strategy_flags]
+        with LocalCluster(command, num_ps=num_ps, num_workers=num_workers,
+                          timeout=FLAGS.timeout, output=None) as cluster:
+            result = cluster.wait()
+        if result.returncode:
+            tail = " | ".join(line for _, line in cluster.lines[-5:])
+            return {"error": f"{result.message}: {tail}"[:500]}
+        with open(os.path.join(out_dir, "rate.json")) as f:
+            return json.load(f)
+
+
+def main(argv):
+    del argv
+    m = FLAGS.num_workers
+    table = rows(m)
+    runs = {name: [] for name in table}
+    for repeat in range(FLAGS.repeats):
+        for name, (strategy_flags, num_ps, workers) in table.items():
+            figures = run_once(strategy_flags, num_ps, workers)
+            runs[name].append(figures)
+            shown = figures.get("updates_per_second", figures.get("error"))
+            print(f"[{repeat + 1}/{FLAGS.repeats}] {name}: {shown}", flush=True)
+    results = {"num_workers": m, "window_seconds": FLAGS.window, "repeats": FLAGS.repeats,
+               "job": "digits MLP 64-64-10 (4,810 parameters), batch 32 per worker, SGD",
+               "network": "localhost, no limit", "rows": {}}
+    for name, figures in runs.items():
+        rates = [f["updates_per_second"] for f in figures if "updates_per_second" in f]
+        row = {"updates_per_second": statistics.median(rates) if rates else None,
+               "runs": figures}
+        results["rows"][name] = row
+    reference = results["rows"][REFERENCE]["updates_per_second"]
+    for row in results["rows"].values():
+        if row["updates_per_second"] and reference:
+            row["ratio_to_mwms"] = row["updates_per_second"] / reference
+    # Parameters are spread by size: each of 2 ps tasks holds about half the model.
+    results["bytes_per_ps_task"] = _bytes_per_ps()
+    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+    with open(FLAGS.out + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    print(json.dumps({n: r.get("ratio_to_mwms") for n, r in results["rows"].items()}, indent=1))
+
+
+def _bytes_per_ps():
+    """Bytes each ps task holds of the benchmark model, as the engine places them."""
+    sizes = [64 * 64, 64, 64 * 10, 10]
+    out = {}
+    for num_ps in (1, 2):
+        held = [0] * num_ps
+        for size in sizes:
+            held[min(range(num_ps), key=lambda i: (held[i], i))] += 4 * size
+        out[f"{num_ps} ps"] = held
+    return out
+
+
+if __name__ == "__main__":
+    app.run(main)
