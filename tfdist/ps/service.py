@@ -174,6 +174,12 @@ class ShardUpdater:
         try:
             self._wait_until_initialized()
             self._build()
+            if self.optimizer is not None:
+                # A run resumed from a checkpoint goes on from the restored optimizer step.
+                with tf.device(self.device):
+                    self.progress.scatter_nd_update(
+                        [[protocol.STAT_STEP]],
+                        [tf.cast(self.optimizer.iterations.value, tf.int64)])
             self._serve()
         except RunFailed as e:
             self.failure = str(e)

@@ -306,11 +306,12 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                 token, stats, values = client.sync()
                 self._assign_reply(shard, token, stats, values)
 
-    def _assign_reply(self, shard, token, stats, values):
+    def _assign_reply(self, shard, token, stats, values, set_tag=True):
         main, rest = self._layouts[shard].split_reply(values)
         updates = [v.assign(x, read_value=False)
                    for v, x in zip(self._shards[shard], main + rest)]
-        updates.append(self._tags.scatter_nd_update([[shard]], [token]))
+        if set_tag:
+            updates.append(self._tags.scatter_nd_update([[shard]], [token]))
         if shard == 0:
             updates.append(self._stats.assign(stats, read_value=False))
         if self._compressor is not None and self._mode == AVERAGING:
@@ -345,6 +346,10 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
     def _exchange(self, main_tensor):
         """One push-and-receive per ps task, in parallel; the replies land in the mirrors."""
         updates, sent = [], []
+        # One read of every shard's tag before any push: a read per shard after the previous
+        # shard's reply was written would make each round trip wait for the one before.
+        tags = tf.unstack(self._tags.read_value())
+        replies = []
         for shard, client in enumerate(self._clients):
             layout = self._layouts[shard]
             variables = self._shards[shard]
@@ -352,15 +357,18 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                 [main_tensor(v) for v in variables[:len(layout.main)]])
             values = protocol.ShardLayout.flatten(
                 [v.read_value() for v in variables[len(layout.main):]])
-            tag = self._tags[shard]
+            tag = tags[shard]
             payload, state_updates = (main,), []
             if self._compressor is not None:
                 payload, state_updates = self._compress(shard, main, tag)
                 sent.append(payload)
             # Shards do not wait for each other: their round trips overlap.
             with tf.control_dependencies(state_updates):
-                token, stats, reply = client.push_and_receive(tag, payload, values)
-            updates += self._assign_reply(shard, token, stats, reply)
+                replies.append(client.push_and_receive(tag, payload, values))
+        for shard, (token, stats, reply) in enumerate(replies):
+            updates += self._assign_reply(shard, token, stats, reply, set_tag=False)
+        updates.append(self._tags.assign(tf.stack([token for token, _, _ in replies]),
+                                         read_value=False))
         if sent:
             updates.append(self._bytes_sent.assign(sum_payload_bytes(sent)))
         return tf.group(updates)
