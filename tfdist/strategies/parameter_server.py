@@ -460,8 +460,8 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         """Ends this worker's part in training.
 
         Model averaging first pushes the steps taken since the last round. With `wait`
-        (the chief's `join()`), waits until every other worker has left or died, so that the
-        weights this worker then takes are final. The local model ends on the master weights.
+        (the chief's `join()`), leaves, then waits until every other worker has left or
+        died, so that the weights this worker then takes are final. The local model ends on the master weights.
         Called at exit (without waiting).
         """
         if self._left:
@@ -475,14 +475,29 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             if self._mode == AVERAGING and int(self._round_steps.numpy()):
                 with replica_step():
                     tf.function(self._average)()
-            if wait:
-                self._wait_for_others(timeout)
-            self._pull()
+            if not wait:
+                self._pull()
+                for client in self._clients:
+                    client.send_control(protocol.LEAVE)
+                return
+            # Leave first: a worker whose last push waits for a partner must not wait for
+            # this one. Once the others are gone nothing changes the masters: read them.
             for client in self._clients:
                 client.send_control(protocol.LEAVE)
+            self._wait_for_others(timeout)
+            self._take_masters()
         except (tf.errors.OpError, RunError) as e:
             log.warning("tfdist: %s could not leave the run cleanly: %s",
                         self._connection.task_name, e)
+
+    def _take_masters(self):
+        with tf.init_scope(), replica_step():
+            for shard, client in enumerate(self._clients):
+                for variable in self._shards[shard]:
+                    variable.assign(client.masters[variable._tfdist_path].read_value(),
+                                    read_value=False)
+                if shard == 0:
+                    self._stats.assign(client.progress.read_value(), read_value=False)
 
     def _wait_for_others(self, timeout):
         deadline = None if timeout is None else time.monotonic() + timeout
