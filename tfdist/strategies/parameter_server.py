@@ -461,8 +461,8 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
 
         Model averaging first pushes the steps taken since the last round. With `wait`
         (the chief's `join()`), leaves, then waits until every other worker has left or
-        died, so that the weights this worker then takes are final. The local model ends on the master weights.
-        Called at exit (without waiting).
+        died, so that the weights this worker then takes are final. The local model ends on
+        the master weights. Called at exit (without waiting).
         """
         if self._left:
             return
