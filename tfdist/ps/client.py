@@ -5,7 +5,6 @@ import os
 import tensorflow as tf
 
 from tfdist.ps import protocol
-from tfdist.ps.variables import open_shared_variable
 
 
 class RunError(RuntimeError):
@@ -70,14 +69,7 @@ class ShardClient:
             self.reply_queue = tf.raw_ops.FIFOQueueV2(
                 component_types=protocol.REPLY_DTYPES, shapes=[], capacity=-1,
                 container=protocol.CONTAINER, shared_name=name(f"reply/{self.rank}"))
-        self.progress = open_shared_variable(
-            self.device, name("progress"), [protocol.num_stats(self.num_workers)], tf.int64,
-            "progress", container=protocol.CONTAINER)
-        self.masters = {
-            e["path"]: open_shared_variable(
-                self.device, protocol.variable_name(run, e["path"]), e["shape"], e["dtype"],
-                e["path"].rpartition("/")[2], container=protocol.CONTAINER)
-            for e in spec["variables"]}
+        self.progress, self.masters = protocol.open_run_variables(self.device, run, spec)
 
     def open_push_queue(self, payload_dtypes):
         self.push_dtypes = protocol.push_dtypes(payload_dtypes)

@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.ps.policies import HISTOGRAM_BUCKETS
+from tfdist.ps.variables import open_shared_variable
 
 CONTAINER = "tfdist"
 CONTROL_QUEUE = "control"
@@ -74,6 +75,19 @@ def run_name(run, name):
 
 def variable_name(run, path):
     return run_name(run, f"var/{path}")
+
+
+def open_run_variables(device, run, spec):
+    """`(progress, {path: master})` of run `run` on `device`, as both sides open them."""
+    progress = open_shared_variable(device, run_name(run, "progress"),
+                                    [num_stats(spec["num_workers"])], tf.int64, "progress",
+                                    container=CONTAINER)
+    masters = {
+        e["path"]: open_shared_variable(
+            device, variable_name(run, e["path"]), e["shape"], e["dtype"],
+            e["path"].rpartition("/")[2], container=CONTAINER, trainable=e["role"] == GRADIENT)
+        for e in spec["variables"]}
+    return progress, masters
 
 
 class ShardLayout:

@@ -33,7 +33,6 @@ from tfdist.ps.policies import delay_compensated
 from tfdist.ps.policies import policy_from_spec
 from tfdist.ps.policies import resolve_function
 from tfdist.ps.variables import is_initialized
-from tfdist.ps.variables import open_shared_variable
 
 log = logging.getLogger("tfdist")
 
@@ -131,15 +130,7 @@ class ShardUpdater:
                 component_types=protocol.REPLY_DTYPES, shapes=[], capacity=-1,
                 container=protocol.CONTAINER, shared_name=name(f"reply/{r}"))
                 for r in range(self.num_workers)]
-        self.progress = open_shared_variable(
-            self.device, name("progress"), [protocol.num_stats(self.num_workers)], tf.int64,
-            "progress", container=protocol.CONTAINER)
-        self.masters = {
-            e["path"]: open_shared_variable(
-                self.device, protocol.variable_name(run, e["path"]), e["shape"], e["dtype"],
-                e["path"].rpartition("/")[2], container=protocol.CONTAINER,
-                trainable=e["role"] == protocol.GRADIENT)
-            for e in spec["variables"]}
+        self.progress, self.masters = protocol.open_run_variables(self.device, run, spec)
         self._thread = threading.Thread(target=self._run, name=f"tfdist-run-{run}",
                                         daemon=True)
 
