@@ -119,36 +119,32 @@ class DroppedGradientTest(tf.test.TestCase):
 
 class FaultTest(tf.test.TestCase):
 
-    def test_soft_sync_survives_a_killed_worker(self):
-        out = self.get_temp_dir()
-        with make_cluster(out, 3, "--scenario=long", "--epochs=40",
-                      "--strategy_arg=replicas_to_aggregate=2",
-                      stop_on_failure=False) as cluster:
-            wait_for_line(cluster, "READY")
-            os.kill(cluster.pid("worker:2"), signal.SIGKILL)
-            result = cluster.wait()
-        self.assertEqual(result.failed_task, "worker:2", cluster_log(cluster))
-        self.assertEqual(result.task_returncodes["worker:0"], 0, cluster_log(cluster))
-        self.assertEqual(result.task_returncodes["worker:1"], 0, cluster_log(cluster))
-        chief = load_result(out, "worker0.json")
-        self.assertEqual(chief["dead"], [2])
-        self.assertEqual(len(chief["history"]["loss"]), 40)
-
-    def test_soft_sync_survives_the_killed_chief(self):
-        # The updaters live on the ps tasks: losing worker 0 leaves the others training.
+    def _kill_during_soft_sync(self, rank):
+        """Soft sync 2 of 3, 40 epochs; worker `rank` SIGKILLed after the first epoch."""
         out = self.get_temp_dir()
         with make_cluster(out, 3, "--scenario=long", "--epochs=40",
                           "--strategy_arg=replicas_to_aggregate=2",
                           stop_on_failure=False) as cluster:
             wait_for_line(cluster, "READY")
-            os.kill(cluster.pid("worker:0"), signal.SIGKILL)
+            os.kill(cluster.pid(f"worker:{rank}"), signal.SIGKILL)
             result = cluster.wait()
-        self.assertEqual(result.failed_task, "worker:0", cluster_log(cluster))
-        for rank in (1, 2):
-            self.assertEqual(result.task_returncodes[f"worker:{rank}"], 0, cluster_log(cluster))
-            survivor = load_result(out, f"worker{rank}.json")
-            self.assertEqual(len(survivor["history"]["loss"]), 40)
-            self.assertEqual(survivor["progress"]["dead"], [0])
+        self.assertEqual(result.failed_task, f"worker:{rank}", cluster_log(cluster))
+        survivors = [r for r in range(3) if r != rank]
+        for survivor in survivors:
+            self.assertEqual(result.task_returncodes[f"worker:{survivor}"], 0,
+                             cluster_log(cluster))
+            survived = load_result(out, f"worker{survivor}.json")
+            self.assertEqual(len(survived["history"]["loss"]), 40)
+            self.assertEqual(survived["progress"]["dead"], [rank])
+        return out
+
+    def test_soft_sync_survives_a_killed_worker(self):
+        out = self._kill_during_soft_sync(2)
+        self.assertEqual(load_result(out, "worker0.json")["dead"], [2])
+
+    def test_soft_sync_survives_the_killed_chief(self):
+        # The updaters live on the ps tasks: losing worker 0 leaves the others training.
+        out = self._kill_during_soft_sync(0)
         steps = [load_result(out, f"worker{r}.json")["history"]["global_step"] for r in (1, 2)]
         self.assertGreater(min(s[-1] for s in steps), min(s[0] for s in steps))
 

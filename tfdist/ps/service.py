@@ -191,8 +191,6 @@ class ShardUpdater:
         variables = list(self.masters.values())
         delay = 0.005
         while not all(is_initialized(v) for v in variables):
-            if self.members[0] == protocol.DIED:
-                raise RunFailed(f"{chief} died before it initialised the master variables")
             if time.monotonic() > deadline:
                 raise RunFailed(f"{chief} did not initialise the master variables within "
                                 f"{self.spec['init_timeout']:g} s: is it running the same "
@@ -338,9 +336,8 @@ class ShardUpdater:
         mean = state["total"] / count
         updates = []
         if self.layout.value_size:
-            values = protocol.ShardLayout.unflatten(
-                self.layout, state["values"] / count, self.layout.values,
-                self.layout.value_sizes)
+            values = self.layout.unflatten(state["values"] / count, self.layout.values,
+                                           self.layout.value_sizes)
             updates += [v.assign(x) for v, x in zip(self.value_variables, values)]
         parts = self.layout.unflatten(mean, self.layout.main, self.layout.main_sizes)
         if self.policy.averages_weights:
@@ -550,7 +547,6 @@ class PSService:
         self.liveness_interval = liveness_interval
         self.current = None
         self._runs = 0
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         with tf.device(self.device):
             self.control = tf.raw_ops.FIFOQueueV2(

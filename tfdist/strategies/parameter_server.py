@@ -119,6 +119,7 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         self._shards = None
         self._optimizer = None
         self._left = False
+        self._bases = {}  # model averaging with compression: each shard's last average
         num_ps, host = connection.num_ps, connection.host_device
         with tf.init_scope(), tf.device(host):
             # The global step of each shard's weights this worker holds (its pushes' tags).
@@ -227,9 +228,6 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             if len(step.recorded) == step.expected:
                 self._push_gradients(step)
         return var if group else (var,)
-
-    def _use_merge_call(self):
-        return True
 
     # Joining a run -----------------------------------------------------------------------
 
@@ -390,8 +388,6 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
 
     def _base(self, shard):
         """Model averaging with compression: the shard's model at the last average."""
-        if not hasattr(self, "_bases"):
-            self._bases = {}
         if shard not in self._bases:
             size = self._layouts[shard].main_size
             with tf.init_scope(), tf.device(self._device):
