@@ -25,23 +25,26 @@ flags.DEFINE_float("straggler_delay", 0.0, "Seconds the straggler sleeps after e
 flags.DEFINE_float("warmup", 4.0, "Seconds before the measurement window.")
 flags.DEFINE_float("window", 10.0, "Seconds of the measurement window.")
 flags.DEFINE_integer("batch_size", 32, "Per-worker batch size.")
+flags.DEFINE_integer("steps_per_execution", 1, "Keras `steps_per_execution`.", lower_bound=1)
 
 
 class _Pace(keras.callbacks.Callback):
     """Slows the straggler, records step times, and stops when the chief says so."""
 
-    def __init__(self, delay, stop_file):
+    def __init__(self, delay, stop_file, steps_per_call):
         super().__init__()
-        self.delay, self.stop_file = delay, stop_file
-        self.step_times, self._last = [], None
+        self.delay, self.stop_file, self.steps_per_call = delay, stop_file, steps_per_call
+        self.step_times, self._last, self.steps = [], None, 0
 
     def on_train_batch_end(self, batch, logs=None):
+        # Called once per `tf.function` call, which runs `steps_per_execution` steps.
         if self.delay:
             time.sleep(self.delay)
         now = time.monotonic()
         if self._last is not None:
-            self.step_times.append(now - self._last)
+            self.step_times.append((now - self._last) / self.steps_per_call)
         self._last = now
+        self.steps += self.steps_per_call
         if os.path.exists(self.stop_file):
             self.model.stop_training = True
 
@@ -51,7 +54,7 @@ def _progress(strategy, pace):
     step of an all-reduce or one-process run is one update)."""
     if hasattr(strategy, "progress"):
         return strategy.progress()
-    steps = len(pace.step_times)
+    steps = pace.steps
     return {"global_step": steps, "dropped_gradients": 0, "aggregated_gradients": steps,
             "staleness_max": 0, "staleness_mean": 0.0}
 
@@ -89,13 +92,14 @@ def main(argv):
         model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
                                   keras.layers.Dense(10, activation="softmax")])
         model.compile(optimizer=keras.optimizers.SGD(0.05),
-                      loss="sparse_categorical_crossentropy")
+                      loss="sparse_categorical_crossentropy",
+                      steps_per_execution=FLAGS.steps_per_execution)
     if hasattr(strategy, "shard"):
         x, y = strategy.shard(x, y)
     # Enough data for the whole window: the chief's stop file ends training.
     x, y = np.tile(x, (50, 1)), np.tile(y, 50)
     pace = _Pace(FLAGS.straggler_delay if rank == FLAGS.straggler_rank else 0.0,
-                 os.path.join(FLAGS.out_dir, "stop"))
+                 os.path.join(FLAGS.out_dir, "stop"), FLAGS.steps_per_execution)
     if rank == 0:
         threading.Thread(target=_measure, args=(strategy, pace, FLAGS.out_dir),
                          daemon=True).start()
@@ -104,7 +108,7 @@ def main(argv):
         strategy.join()
     times = pace.step_times[5:] or pace.step_times
     with open(os.path.join(FLAGS.out_dir, f"worker{rank}.json"), "w") as f:
-        json.dump({"mean_step_seconds": float(np.mean(times)), "steps": len(pace.step_times)},
+        json.dump({"mean_step_seconds": float(np.mean(times)), "steps": pace.steps},
                   f)
 
 

@@ -1,13 +1,17 @@
-"""Update rates of every strategy on one job, in one run: one process, MWMS, the PS family.
+"""Update rates of every strategy on one job, in one run: one process, MWMS, the PS family,
+and the peer a user would go back to, tf_keras `fit` under TF's `ParameterServerStrategy`.
 
-    python benchmarks/rates.py --num_workers=2 --out=benchmarks/results/rates
+    python benchmarks/rates.py --num_workers=2 --out=benchmarks/results/rates \
+        --peer_python=peer/bin/python     # the peer's own environment, see tf_keras_peer.py
 
 Job: the digits MLP of `ps_worker.py` (64-64-10, 4.8 k parameters, batch 32 per worker, SGD),
 on this machine's local clusters (localhost, no bandwidth limit). Each row runs its own
 cluster and measures, on the chief, global updates per second over `--window` seconds after a
 warm-up; rows are run `--repeats` times, interleaved, and the median is kept. Ratios are
-against tfdist's `MultiWorkerMirroredStrategy` measured in the same run. Bytes per ps task
-are the model bytes each task holds (what each push and reply carries for it).
+against tfdist's `MultiWorkerMirroredStrategy` measured in the same run, and the async rows
+also against the peer at the same `steps_per_execution` (its async training: every step an
+update). Bytes per ps task are the model bytes each task holds (what each push and reply
+carries for it).
 """
 
 import json
@@ -28,13 +32,20 @@ flags.DEFINE_integer("repeats", 2, "Runs of each row (interleaved); the median i
 flags.DEFINE_float("timeout", 180.0, "Seconds each run may take.")
 flags.DEFINE_string("out", os.path.join("benchmarks", "results", "rates"),
                     "Output path without extension.")
+flags.DEFINE_string("peer_python", None,
+                    "Python of an environment with tensorflow and tf_keras: adds the rows of "
+                    "TF's ParameterServerStrategy (tf_keras_peer.py). None: no peer rows.")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REFERENCE = "multi_worker_mirrored"
 
 
-def rows(m):
-    return {
+PEER = "tf_keras ParameterServerStrategy, 1 ps"
+SPE10 = ["--steps_per_execution=10"]
+
+
+def rows(m, peer):
+    table = {
         "one process (one_device)": (["--strategy=one_device"], 0, 1),
         REFERENCE: (["--strategy=multi_worker_mirrored"], 0, m),
         "hard sync, 1 ps": (["--strategy=soft_sync"], 1, m),
@@ -42,12 +53,42 @@ def rows(m):
         "async, 1 ps": (["--strategy=async"], 1, m),
         "async, 2 ps": (["--strategy=async"], 2, m),
         "model averaging, period 1, 1 ps": (["--strategy=model_averaging"], 1, m),
+        "multi_worker_mirrored, steps_per_execution 10": (
+            ["--strategy=multi_worker_mirrored", *SPE10], 0, m),
+        "hard sync, 1 ps, steps_per_execution 10": (["--strategy=soft_sync", *SPE10], 1, m),
+        "async, 1 ps, steps_per_execution 10": (["--strategy=async", *SPE10], 1, m),
     }
+    if peer:
+        table[PEER] = (["--steps_per_execution=1"], None, m)
+        table[f"{PEER}, steps_per_execution 10"] = (SPE10, None, m)
+    return table
+
+
+def run_peer(peer_flags, num_workers):
+    """One run of tf_keras_peer.py in the peer's environment."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        out = os.path.join(out_dir, "rate.json")
+        command = [FLAGS.peer_python, os.path.join(HERE, "tf_keras_peer.py"), f"--out={out}",
+                   f"--num_workers={num_workers}", "--num_ps=1", f"--window={FLAGS.window}",
+                   f"--warmup={FLAGS.warmup}", f"--timeout={FLAGS.timeout}", *peer_flags]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True,
+                                  timeout=FLAGS.timeout + 30)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {FLAGS.timeout + 30:g} s"}
+        if done.returncode or not os.path.exists(out):
+            return {"error": f"exit {done.returncode}: {done.stderr[-400:]}"}
+        with open(out) as f:
+            return json.load(f)
 
 
 def run_once(strategy_flags, num_ps, num_workers):
     from tfdist.launch import LocalCluster
 
+    if num_ps is None:
+        return run_peer(strategy_flags, num_workers)
     with tempfile.TemporaryDirectory() as out_dir:
         command = [sys.executable, os.path.join(HERE, "ps_worker.py"), f"--out_dir={out_dir}",
                    f"--window={FLAGS.window}", f"--warmup={FLAGS.warmup}", *strategy_flags]
@@ -64,7 +105,7 @@ def run_once(strategy_flags, num_ps, num_workers):
 def main(argv):
     del argv
     m = FLAGS.num_workers
-    table = rows(m)
+    table = rows(m, FLAGS.peer_python)
     runs = {name: [] for name in table}
     for repeat in range(FLAGS.repeats):
         for name, (strategy_flags, num_ps, workers) in table.items():
@@ -81,15 +122,19 @@ def main(argv):
                "runs": figures}
         results["rows"][name] = row
     reference = results["rows"][REFERENCE]["updates_per_second"]
-    for row in results["rows"].values():
+    for name, row in results["rows"].items():
         if row["updates_per_second"] and reference:
             row["ratio_to_mwms"] = row["updates_per_second"] / reference
+        peer = results["rows"].get(PEER + name.partition(", 1 ps")[2])
+        if name.startswith("async, 1 ps") and peer and peer["updates_per_second"]:
+            row["ratio_to_tf_keras_pss"] = row["updates_per_second"] / peer["updates_per_second"]
     # Parameters are spread by size: each of 2 ps tasks holds about half the model.
     results["bytes_per_ps_task"] = _bytes_per_ps()
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(results, f, indent=1)
-    print(json.dumps({n: r.get("ratio_to_mwms") for n, r in results["rows"].items()}, indent=1))
+    print(json.dumps({n: {k: v for k, v in r.items() if k.startswith("ratio")}
+                      for n, r in results["rows"].items()}, indent=1))
 
 
 def _bytes_per_ps():

@@ -23,7 +23,8 @@ import tfdist
 from tests.strategies import ps_functions
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("scenario", "equivalence", ["equivalence", "late", "long", "checkpoint"],
+flags.DEFINE_enum("scenario", "equivalence",
+                  ["equivalence", "late", "long", "checkpoint", "absent"],
                   "What to run.")
 flags.DEFINE_integer("crash_after_epoch", -1, "checkpoint: the chief dies after this epoch.")
 flags.DEFINE_string("out_dir", None, "Where to write results.")
@@ -32,6 +33,7 @@ flags.DEFINE_integer("epochs", 3, "Epochs.")
 flags.DEFINE_enum("optimizer", "sgd", ["sgd", "momentum", "adam"], "Optimizer.")
 flags.DEFINE_integer("slow_rank", -1, "A worker that sleeps after each step.")
 flags.DEFINE_float("slow_delay", 0.05, "Its sleep, in seconds.")
+flags.DEFINE_integer("steps_per_execution", 1, "Keras `steps_per_execution`.")
 flags.DEFINE_bool("frozen", False, "async: a staleness function that zeroes every update.")
 
 ROWS, BATCH = 128, 16
@@ -44,7 +46,7 @@ def data():
     return x, y
 
 
-def build_model(optimizer):
+def build_model(optimizer, steps_per_execution=1):
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
                               keras.layers.Dense(2, activation="softmax")])
@@ -52,7 +54,7 @@ def build_model(optimizer):
                   "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
                   "adam": lambda: keras.optimizers.Adam(0.01)}
     model.compile(optimizer=optimizers[optimizer](), loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
+                  metrics=["accuracy"], steps_per_execution=steps_per_execution)
     return model
 
 
@@ -80,6 +82,11 @@ class Crash(keras.callbacks.Callback):
             os._exit(3)
 
 
+def halve_learning_rate():
+    """From the second epoch on, each epoch halves the learning rate (a callback's write)."""
+    return keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr / 2 if epoch else lr)
+
+
 class Slow(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         time.sleep(FLAGS.slow_delay)
@@ -94,12 +101,14 @@ class Ready(keras.callbacks.Callback):
 def main(argv):
     del argv
     overrides = {}
+    if FLAGS.scenario == "absent" and tfdist.cluster.parse_tf_config().task_index == 1:
+        return  # worker 1 never starts: no server, no hello
     if FLAGS.frozen:
         overrides["staleness"] = ps_functions.frozen
     strategy = tfdist.strategies.from_flags(**overrides)
     rank = strategy.worker_index
     with strategy.scope():
-        model = build_model(FLAGS.optimizer)
+        model = build_model(FLAGS.optimizer, FLAGS.steps_per_execution)
     x, y = data()
     xs, ys = strategy.shard(x, y)
     if strategy.is_chief:
@@ -123,7 +132,7 @@ def main(argv):
             history = model.fit(xs[:3 * BATCH], ys[:3 * BATCH], **one)
     elif FLAGS.scenario == "checkpoint":
         callbacks = [keras.callbacks.BackupAndRestore(
-            os.path.join(FLAGS.out_dir, f"backup{rank}"))]
+            os.path.join(FLAGS.out_dir, f"backup{rank}")), halve_learning_rate()]
         if strategy.is_chief:
             callbacks.append(keras.callbacks.ModelCheckpoint(
                 os.path.join(FLAGS.out_dir, "model.weights.h5"), save_weights_only=True))
@@ -132,7 +141,8 @@ def main(argv):
         history = model.fit(xs, ys, batch_size=BATCH, epochs=FLAGS.epochs, shuffle=False,
                             verbose=0, callbacks=callbacks)
     else:
-        callbacks = [Ready()] if FLAGS.scenario == "long" else []
+        callbacks = ([Ready()] if FLAGS.scenario == "long" else
+                     [halve_learning_rate()] if FLAGS.scenario == "equivalence" else [])
         if rank == FLAGS.slow_rank:
             callbacks.append(Slow())
         history = model.fit(xs, ys, batch_size=BATCH, epochs=FLAGS.epochs, shuffle=False,

@@ -9,6 +9,7 @@ import signal
 import time
 from unittest import mock
 
+import keras
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
@@ -28,14 +29,17 @@ from tfdist.ps.connection import compute_device
 
 class HardSyncEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
 
-    @parameterized.parameters(("soft_sync", "sgd"), ("soft_sync", "adam"),
-                              ("model_averaging", "sgd"))
-    def test_two_workers_match_one_process_on_the_combined_batch(self, strategy, optimizer):
-        # Model averaging every step with plain SGD is hard sync too.
+    @parameterized.parameters(("soft_sync", "sgd", 1), ("soft_sync", "adam", 1),
+                              ("soft_sync", "momentum", 3), ("model_averaging", "sgd", 1))
+    def test_two_workers_match_one_process_on_the_combined_batch(self, strategy, optimizer,
+                                                                 steps_per_execution):
+        # Model averaging every step with plain SGD is hard sync too. Every run halves the
+        # learning rate each epoch from a callback (a write that must reach both ps tasks'
+        # optimizers); one runs 3 steps per `tf.function` call, 4 steps an epoch.
         out = self.get_temp_dir()
         cluster, result = run_cluster(out, 2, "--scenario=equivalence", "--epochs=3",
-                                           f"--strategy={strategy}", f"--optimizer={optimizer}",
-                                           num_ps=2)
+                                      f"--strategy={strategy}", f"--optimizer={optimizer}",
+                                      f"--steps_per_execution={steps_per_execution}", num_ps=2)
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         chief = load_result(out, "worker0.json")
         self.assertEqual(chief["updates"], 3 * (ps_program.ROWS // 2 // ps_program.BATCH))
@@ -59,7 +63,8 @@ def one_process_reference(out, optimizer, epochs):
     model = ps_program.build_model(optimizer)
     initial = load_result(out, "initial.json")["weights"]
     model.set_weights([np.array(w, "float32") for w in initial])
-    model.fit(x[order], y[order], batch_size=2 * batch, epochs=epochs, shuffle=False, verbose=0)
+    model.fit(x[order], y[order], batch_size=2 * batch, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=[ps_program.halve_learning_rate()])
     return model.get_weights()
 
 
@@ -117,7 +122,7 @@ class DroppedGradientTest(tf.test.TestCase):
         self.assertEqual(late["progress"]["aggregated_gradients"], chief["updates"])
 
 
-class FaultTest(tf.test.TestCase):
+class FaultTest(tf.test.TestCase, parameterized.TestCase):
 
     def _kill_during_soft_sync(self, rank):
         """Soft sync 2 of 3, 40 epochs; worker `rank` SIGKILLed after the first epoch."""
@@ -148,6 +153,23 @@ class FaultTest(tf.test.TestCase):
         steps = [load_result(out, f"worker{r}.json")["history"]["global_step"] for r in (1, 2)]
         self.assertGreater(min(s[-1] for s in steps), min(s[0] for s in steps))
 
+    @parameterized.parameters(None, 1)
+    def test_a_worker_that_never_starts(self, replicas_to_aggregate):
+        # Worker 1 exits before it makes its strategy: its server never answers. After
+        # init_timeout it is dead: hard sync fails naming it, soft sync 1 of 2 goes on.
+        out = self.get_temp_dir()
+        flags = ["--scenario=absent", "--epochs=2", "--strategy_arg=init_timeout=4"]
+        if replicas_to_aggregate:
+            flags.append(f"--strategy_arg=replicas_to_aggregate={replicas_to_aggregate}")
+        cluster, result = run_cluster(out, 2, *flags, stop_on_failure=False)
+        if replicas_to_aggregate:
+            self.assertEqual(result.returncode, 0, cluster_log(cluster))
+            self.assertEqual(load_result(out, "worker0.json")["dead"], [1])
+        else:
+            self.assertNotEqual(result.task_returncodes["worker:0"], 0)
+            self.assertRegex(cluster_log(cluster), r"/job:worker/task:1 at localhost:\d+ never "
+                                                   r"joined the run .*init_timeout=4 s")
+
     def test_hard_sync_names_the_dead_worker(self):
         out = self.get_temp_dir()
         with make_cluster(out, 2, "--scenario=long", "--epochs=400",
@@ -168,9 +190,10 @@ class FaultTest(tf.test.TestCase):
 class CheckpointTest(tf.test.TestCase):
 
     def test_backup_and_restore_resumes_and_model_checkpoint_loads(self):
+        # Adam on 2 ps tasks: each task's optimizer step count must resume with its slots.
         out = self.get_temp_dir()
-        with make_cluster(out, 2, "--scenario=checkpoint", "--epochs=4",
-                      "--crash_after_epoch=1") as cluster:
+        flags = ["--scenario=checkpoint", "--epochs=4", "--optimizer=adam"]
+        with make_cluster(out, 2, *flags, "--crash_after_epoch=1", num_ps=2) as cluster:
             crashed = cluster.wait()
         self.assertEqual(crashed.failed_task, "worker:0", cluster_log(cluster))
         # Hard sync: the survivor is stopped with an error naming the dead chief.
@@ -179,15 +202,18 @@ class CheckpointTest(tf.test.TestCase):
         steps_per_epoch = ps_program.ROWS // 2 // ps_program.BATCH
         # A new cluster (new ps) resumes from the backups: epochs 3 and 4 only, and the
         # optimizer's step (the global step) goes on from where the backup left it.
-        with make_cluster(out, 2, "--scenario=checkpoint", "--epochs=4") as cluster:
+        with make_cluster(out, 2, *flags, num_ps=2) as cluster:
             resumed = cluster.wait()
         self.assertEqual(resumed.returncode, 0, cluster_log(cluster))
         chief = load_result(out, "worker0.json")
         self.assertEqual(chief["history"]["global_step"],
                          [3 * steps_per_epoch, 4 * steps_per_epoch])
         self.assertEqual(chief["updates"], 2 * steps_per_epoch)
+        # Hard sync, resumed: the same weights as one process trained without a break.
+        for got, want in zip(chief["weights"], one_process_reference(out, "adam", 4)):
+            self.assertAllClose(np.array(got), want, rtol=1e-5, atol=1e-6)
         # The chief's ModelCheckpoint holds the final master weights.
-        model = ps_program.build_model("sgd")
+        model = ps_program.build_model("adam")
         model.load_weights(os.path.join(out, "model.weights.h5"))
         for got, want in zip(model.get_weights(), chief["weights"]):
             self.assertAllClose(got, np.array(want), rtol=0, atol=0)
@@ -233,6 +259,22 @@ class ConstructionTest(tf.test.TestCase):
         gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
         with mock.patch.object(tf.config, "list_physical_devices", return_value=[gpu]):
             self.assertEqual(compute_device("chief", 0), "/job:chief/replica:0/task:0/device:GPU:0")
+
+    def test_optimizer_features_the_engine_cannot_honour_are_refused(self):
+        check = tfdist.strategies.parameter_server.check_optimizer
+        strategy = "SoftSyncStrategy"
+        with self.assertRaisesRegex(ValueError, r"`use_ema=True` is not supported.*"
+                                                r"Compile with `use_ema=False`"):
+            check(keras.optimizers.Adam(use_ema=True), "gradients", strategy)
+        with self.assertRaisesRegex(ValueError, r"`gradient_accumulation_steps=4` is not "
+                                                r"supported by SoftSyncStrategy.*larger batch"):
+            check(keras.optimizers.SGD(gradient_accumulation_steps=4), "gradients", strategy)
+        lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(use_ema=True))
+        with self.assertRaisesRegex(ValueError, "use_ema"):
+            check(lso, "gradients", strategy)
+        # Model averaging trains locally: accumulation is the worker's own business.
+        check(keras.optimizers.SGD(gradient_accumulation_steps=4), "averaging", strategy)
+        check(keras.optimizers.Adam(), "gradients", strategy)
 
     def test_bad_timeouts(self):
         with self.assertRaisesRegex(ValueError, "`init_timeout` must be a positive number"):

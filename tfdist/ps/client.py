@@ -93,10 +93,13 @@ class ShardClient:
             with tf.control_dependencies([push]):
                 return self.receive()
 
-    def receive(self):
+    def _dequeue(self):
         with tf.device(self.device):
-            token, message, stats, values = tf.raw_ops.QueueDequeueV2(
-                handle=self.reply_queue, component_types=protocol.REPLY_DTYPES)
+            return tf.raw_ops.QueueDequeueV2(handle=self.reply_queue,
+                                             component_types=protocol.REPLY_DTYPES)
+
+    def receive(self):
+        token, message, stats, values = self._dequeue()
         check = tf.debugging.Assert(token >= 0, [message])
         with tf.control_dependencies([check]):
             return tf.identity(token), tf.identity(stats), tf.identity(values)
@@ -109,13 +112,25 @@ class ShardClient:
                             *[tf.zeros([0], d) for d in self.push_dtypes[2:]]])
 
     def sync(self):
-        """Asks for the current weights (eagerly); returns `(token, stats, values)`."""
-        self.send_control(protocol.SYNC)
+        """Asks for the current weights (eagerly); returns `(token, stats, values)`.
+
+        Replies meant for an earlier process of this rank (a restarted worker) are skipped.
+        """
         with tf.init_scope():
             try:
-                return self.receive()
-            except tf.errors.InvalidArgumentError as e:
-                raise RunError(f"{self.task}: {e.message}") from None
+                self.send_control(protocol.SYNC)
+            except tf.errors.OpError:
+                raise RunError(f"{self.task}: run {self.run} has ended") from None
+            while True:
+                try:
+                    token, message, stats, values = self._dequeue()
+                except tf.errors.OutOfRangeError:
+                    raise RunError(f"{self.task}: run {self.run} has ended") from None
+                message = message.numpy().decode("utf-8", "replace")
+                if int(token) < 0:
+                    raise RunError(f"{self.task}: {message}")
+                if message == protocol.SYNC_MESSAGE:
+                    return token, stats, values
 
     def read_progress(self):
         with tf.init_scope():

@@ -28,6 +28,9 @@ CONTROL_QUEUE = "control"
 
 # Control tags of the push queue.
 LEAVE, DEAD, STOP, SYNC = -1, -2, -3, -4
+# The message of the reply to a SYNC: a worker that (re)joins waits for it, and discards
+# replies meant for an earlier process of its rank.
+SYNC_MESSAGE = "sync"
 
 # Layout of the progress vector (then one membership entry per worker rank).
 (STAT_STEP, STAT_UPDATES, STAT_DROPPED, STAT_AGGREGATED, STAT_STALENESS_SUM,

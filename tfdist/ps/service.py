@@ -115,6 +115,7 @@ class ShardUpdater:
         self.compressor = compression_lib.get(spec["compression"])
         self.delta = spec.get("delta", False)
         self.members = [protocol.EXPECTED] * self.num_workers
+        self.closing = False  # set under the service's lock: no worker may join any more
         self.failure = None
         self.finished = threading.Event()
         self.created = time.monotonic()
@@ -183,7 +184,17 @@ class ShardUpdater:
                           self.run)
             self._drain_with_error(self.failure)
         finally:
+            self._close()
             self.finished.set()
+
+    def _close(self):
+        """Closes the run's queues: a worker still waiting on them gets an error, not a hang."""
+        with tf.device(self.device):
+            for queue in (self.push_queue, *self.reply_queues):
+                try:
+                    tf.raw_ops.QueueCloseV2(handle=queue, cancel_pending_enqueues=True)
+                except tf.errors.OpError:
+                    pass
 
     def _wait_until_initialized(self):
         chief = f"the chief {self.worker_tasks[0]} at {self.worker_addresses[0]}"
@@ -218,8 +229,7 @@ class ShardUpdater:
             if self.spec["optimizer"] is not None and self.main_variables:
                 for module in self.spec.get("imports", []):
                     self._import(module)
-                self.optimizer = keras.optimizers.deserialize(
-                    ps_optimizer_config(self.spec["optimizer"]))
+                self.optimizer = self._rebuild_optimizer()
                 self.optimizer.build(self.main_variables)
         with tf.device(self.device):
             self.clocks = tf.Variable(tf.zeros([self.num_workers], tf.int64))
@@ -232,8 +242,23 @@ class ShardUpdater:
         self._serve_updates = tf.function(self._serve_updates_fn)
         self._apply_now = tf.function(self._apply_fn)
         self._release_one = tf.function(self._release_one_fn)
+        self._rejoin = tf.function(self._rejoin_fn)
+        self._forget = tf.function(self._forget_fn)
         self._release_caught_up = tf.function(self._release_caught_up_fn)
         self._record = tf.function(self._record_fn)
+
+    def _rebuild_optimizer(self):
+        config = ps_optimizer_config(self.spec["optimizer"])
+        try:
+            return keras.optimizers.deserialize(config)
+        except Exception as e:
+            name = config.get("class_name") if isinstance(config, dict) else config
+            raise RunFailed(
+                f"{self.service.task} could not rebuild the workers' optimizer {name!r} from "
+                f"its Keras config ({type(e).__name__}: {e}). A custom optimizer (or learning "
+                "rate schedule) must be registered with "
+                "`@keras.saving.register_keras_serializable()` in a module the ps tasks can "
+                "import (tfdist imports the optimizer's module there)") from None
 
     def _import(self, module):
         try:
@@ -441,14 +466,48 @@ class ShardUpdater:
 
     def _release_one_fn(self, rank):
         with tf.device(self.device):
-            self._send(rank, self._step(), self._flat_values())
+            self._send(rank, self._step(), self._flat_values(), message=protocol.SYNC_MESSAGE)
+
+    def _rejoin_fn(self, rank, live):
+        """A worker (re)joins: SSP counts it from the slowest other live worker's clock."""
+        with tf.device(self.device):
+            big = tf.constant(2 ** 62, tf.int64)
+            others = tf.logical_and(live, tf.logical_not(tf.one_hot(
+                rank, self.num_workers, on_value=True, off_value=False)))
+            slowest = tf.reduce_min(tf.where(others, self.clocks.read_value(), big))
+            clock = tf.where(slowest == big, tf.constant(0, tf.int64), slowest)
+            self.clocks.scatter_nd_update([[rank]], [clock])
+            self.waiting.scatter_nd_update([[rank]], [False])
+
+    def _forget_fn(self, rank):
+        with tf.device(self.device):
+            self.waiting.scatter_nd_update([[rank]], [False])
 
     # Python loop ------------------------------------------------------------------------
 
     def _set_member(self, rank, status):
-        self.members[rank] = status
+        with self.service.lock:
+            self.members[rank] = status
         with tf.device(self.device):
             self.progress.scatter_nd_update([[protocol.STAT_MEMBERS + rank]], [status])
+
+    def admit(self, rank):
+        """Under the service's lock: lets worker `rank` join; False if the run is ending.
+
+        A rank that left or died is expected again (a restarted worker), so the run does not
+        end before its SYNC arrives.
+        """
+        if self.closing or self.finished.is_set():
+            return False
+        if self.members[rank] in (protocol.LEFT, protocol.DIED):
+            self.members[rank] = protocol.EXPECTED
+        return True
+
+    def _end_if_nobody_is_left(self):
+        with self.service.lock:
+            if self.policy.required(len(self.live)) == 0:
+                self.closing = True
+        return self.closing
 
     def _live_mask(self):
         return tf.constant([m in (protocol.EXPECTED, protocol.LIVE) for m in self.members])
@@ -458,33 +517,45 @@ class ShardUpdater:
         state = empty
         while True:
             required = self.policy.required(len(self.live))
-            if required == 0:
+            if required == 0 and self._end_if_nobody_is_left():
                 self._record(self._step(), {**empty, "dropped": state["dropped"]},
                              updated=False)
                 log.info("tfdist: %s: every worker left run %s", self.service.task, self.run)
                 return
+            if required == 0:
+                continue  # a worker said hello as the run was about to end: it is expected
             state, event, rank = self._serve_updates(tf.constant(required), self._live_mask(),
                                                      state)
             event, rank = int(event), int(rank)
             if event == -protocol.SYNC:
-                # A worker joins (or re-joins): it is sent the current weights.
+                # A worker joins (or re-joins): it is sent the current weights. A push of an
+                # earlier process of its rank is still used, but not answered: the new
+                # process waits for a reply to its own pushes only.
                 if self.members[rank] != protocol.LIVE:
+                    self._rejoin(tf.constant(rank), self._live_mask())
                     self._set_member(rank, protocol.LIVE)
+                state = {**state, "released": tf.tensor_scatter_nd_update(
+                    state["released"], [[rank]], [False])}
                 self._release_one(tf.constant(rank))
             elif event == -protocol.LEAVE:
                 if self.members[rank] in (protocol.EXPECTED, protocol.LIVE):
                     self._set_member(rank, protocol.LEFT)
             elif event == -protocol.DEAD:
-                if self.members[rank] != protocol.LIVE:
+                was = self.members[rank]
+                if was not in (protocol.EXPECTED, protocol.LIVE):
                     continue
                 self._set_member(rank, protocol.DIED)
+                self._forget(tf.constant(rank))
                 task = f"{self.worker_tasks[rank]} at {self.worker_addresses[rank]}"
+                what = (f"{task} died" if was == protocol.LIVE else
+                        f"{task} never joined the run (its server did not answer within "
+                        f"init_timeout={self.spec['init_timeout']:g} s)")
                 if self.policy.fails_on_dead_worker:
                     raise RunFailed(
-                        f"{task} died, and with replicas_to_aggregate equal to the number of "
+                        f"{what}, and with replicas_to_aggregate equal to the number of "
                         "workers (hard sync) no update can be made without it")
-                log.warning("tfdist: %s: %s died; going on with %d worker(s)",
-                            self.service.task, task, len(self.live))
+                log.warning("tfdist: %s: %s; going on with %d worker(s)",
+                            self.service.task, what, len(self.live))
             elif event == -protocol.STOP:
                 return
             if self.policy.defers_release:
@@ -496,18 +567,23 @@ class ShardUpdater:
                 state = empty
 
     def _drain_with_error(self, message):
-        """Tells every worker `message` (token -1) until all have left or died."""
+        """Tells every worker `message` (token -1) until every training one left or died.
+
+        Workers that never joined are told when they say hello, until the run has drained;
+        a worker that then says hello starts a new run.
+        """
         for rank in self.live:
             self._reply(rank, -1, message)
-        while self.live:
+        while protocol.LIVE in self.members:
             with tf.device(self.device):
                 entry = tf.raw_ops.QueueDequeueV2(handle=self.push_queue,
                                                   component_types=self.push_dtypes)
             tag, rank = int(entry[0]), int(entry[1])
             if tag in (protocol.LEAVE, protocol.DEAD):
                 if self.members[rank] in (protocol.EXPECTED, protocol.LIVE):
-                    self.members[rank] = protocol.LEFT if tag == protocol.LEAVE else \
-                        protocol.DIED
+                    with self.service.lock:
+                        self.members[rank] = (protocol.LEFT if tag == protocol.LEAVE
+                                              else protocol.DIED)
             elif tag == protocol.STOP:
                 return
             else:
@@ -548,6 +624,8 @@ class PSService:
         self.current = None
         self._runs = 0
         self._stop = threading.Event()
+        # Orders "a worker joins the current run" against "the run ends".
+        self.lock = threading.Lock()
         with tf.device(self.device):
             self.control = tf.raw_ops.FIFOQueueV2(
                 component_types=[tf.string], shapes=[], capacity=-1,
@@ -598,11 +676,13 @@ class PSService:
 
     def _hello(self, message):
         rank, spec = message["rank"], message["spec"]
-        run = self.current
-        if run is not None and run.finished.is_set():
-            run = None
+        with self.lock:
+            run = self.current
+            if run is not None and not run.admit(rank):
+                run = None
         if run is None:
             if self.current is not None:
+                self.current.finished.wait(timeout=30)  # a closing run records its end
                 self.current.teardown()
             self._runs += 1
             run = ShardUpdater(self, f"{int(time.time())}-{self._runs}", spec)
@@ -623,19 +703,30 @@ class PSService:
                             "initialize": initialize, "error": run.failure})
 
     def _watch(self):
-        """Finds workers whose server went away, and tells their run."""
-        misses = {}
+        """Finds workers whose server went away, or never came, and tells their run.
+
+        A worker that has joined, or whose server was seen, is dead after two missed probes;
+        one whose server never answered is dead `init_timeout` after the run started. A
+        slow worker whose server answers is never cut off.
+        """
+        misses, seen, told = {}, set(), set()
         while not self._stop.wait(self.liveness_interval):
             run = self.current
             if run is None or run.finished.is_set():
                 continue
             for rank, status in enumerate(list(run.members)):
-                if status != protocol.LIVE:
-                    misses.pop((run.run, rank), None)
+                key = (run.run, rank)
+                if status not in (protocol.EXPECTED, protocol.LIVE):
+                    misses.pop(key, None)
+                    told.discard(key)
                     continue
                 if is_listening(run.worker_addresses[rank], timeout=0.5):
-                    misses[(run.run, rank)] = 0
+                    misses[key] = 0
+                    seen.add(key)
                     continue
-                misses[(run.run, rank)] = misses.get((run.run, rank), 0) + 1
-                if misses[(run.run, rank)] == 2:
+                misses[key] = misses.get(key, 0) + 1
+                late = time.monotonic() - run.created > run.spec["init_timeout"]
+                if key not in told and (misses[key] >= 2 if (
+                        status == protocol.LIVE or key in seen) else late):
+                    told.add(key)
                     run.send_control(protocol.DEAD, rank)

@@ -76,6 +76,8 @@ class MirrorVariable(_tf_compat.ResourceVariable):
     """
 
     _tfdist_master = None
+    _tfdist_copies = ()
+    _tfdist_writable = True
 
     @classmethod
     def create(cls, path, ps_index, role, **kwargs):
@@ -94,8 +96,19 @@ class MirrorVariable(_tf_compat.ResourceVariable):
         return variable
 
     def bind(self, master):
-        """From now on, outside a step, this variable stands for `master`."""
-        self._tfdist_master = master
+        """From now on, outside a step, this variable stands for `master`.
+
+        Binding more masters makes them copies (the optimizer's step counter and learning
+        rate, one per ps task): reads take the first, writes go to all.
+        """
+        if self._tfdist_master is None:
+            self._tfdist_master = master
+        else:
+            self._tfdist_copies = (*self._tfdist_copies, master)
+
+    def follow(self):
+        """Outside a step, writes are ignored: another task (the chief) sets this variable."""
+        self._tfdist_writable = False
 
     def _read_variable_op(self, no_copy=False):
         if _stands_for_master(self):
@@ -106,8 +119,12 @@ class MirrorVariable(_tf_compat.ResourceVariable):
     def _write(self, method, *args, **kwargs):
         if not _stands_for_master(self):
             return getattr(super(), method)(*args, **kwargs)
+        if not self._tfdist_writable:
+            return self
         kwargs["read_value"] = False
         getattr(self._tfdist_master, method)(*args, **kwargs)
+        for copy in self._tfdist_copies:
+            copy.assign(self._tfdist_master.read_value(), read_value=False)
         super().assign(self._tfdist_master.read_value(), read_value=False)
         return self
 
@@ -126,7 +143,11 @@ class MirrorVariable(_tf_compat.ResourceVariable):
     def _scatter(self, method, sparse_delta, use_locking=False, name=None):
         if not _stands_for_master(self):
             return getattr(super(), method)(sparse_delta, use_locking=use_locking, name=name)
+        if not self._tfdist_writable:
+            return self
         getattr(self._tfdist_master, method)(sparse_delta, use_locking=use_locking, name=name)
+        for copy in self._tfdist_copies:
+            copy.assign(self._tfdist_master.read_value(), read_value=False)
         super().assign(self._tfdist_master.read_value(), read_value=False)
         return self
 

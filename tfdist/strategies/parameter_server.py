@@ -71,6 +71,24 @@ def n_of_m_policy(policy_class, replicas_to_aggregate):
     return make_policy
 
 
+def check_optimizer(optimizer, mode, strategy_name):
+    """Refuses the optimizer features the parameter-server engine cannot give their meaning."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if getattr(inner, "use_ema", False):
+        raise ValueError(
+            "`use_ema=True` is not supported by the tfdist parameter-server strategies: at the "
+            "end of `fit` Keras would write one worker's moving average into the shared "
+            "weights the others train. Compile with `use_ema=False`, and keep an average of "
+            "the weights in a callback on the chief if you need one")
+    steps = getattr(inner, "gradient_accumulation_steps", None)
+    if mode == GRADIENTS and steps and steps > 1:
+        raise ValueError(
+            f"`gradient_accumulation_steps={steps}` is not supported by "
+            f"{strategy_name}: each push is one update on the ps. For a larger "
+            "effective batch use a larger batch per worker, or aggregate more workers per "
+            "update (`replicas_to_aggregate`)")
+
+
 class _Step:
     """What one call of the replica function (a trace, or an eager step) did."""
 
@@ -170,10 +188,15 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         if role is None:
             return super()._create_variable(next_creator, **kwargs)
         colocate_with = kwargs.pop("colocate_with", None)
+        everywhere = False
         if isinstance(colocate_with, MirrorVariable):
             index = colocate_with._tfdist_ps_index
         elif role == protocol.OPTIMIZER:
-            index = 0  # the optimizer's own counters: one copy, on ps task 0
+            # The optimizer's own variables (its step counter, learning rate): a copy on
+            # every ps task, each task's optimizer uses its own; worker 0 initialises them
+            # all, checkpoints read ps task 0's, its writes (a callback's new learning
+            # rate) go to all.
+            index, everywhere = 0, True
         else:
             index = self._connection.place(initial_value.shape, initial_value.dtype)
         path = _tf_compat.keras_variable_path((kwargs.get("name") or "Variable").split(":")[0])
@@ -183,6 +206,7 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             path = f"{path}#{count}"
         with tf.init_scope(), tf.device(self._device):
             variable = MirrorVariable.create(path, index, role, **kwargs)
+        variable._tfdist_everywhere = everywhere
         self._mirrors.append(variable)
         return variable
 
@@ -219,6 +243,11 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         if step is None:
             return super()._update(var, fn, args, kwargs, group)
         if self._mode == AVERAGING:
+            if len(args) == 2 and self._optimizer is None:
+                self._optimizer = _tf_compat.keras_optimizer_in_scope()
+                if self._optimizer is not None:
+                    check_optimizer(self._optimizer, self._mode,
+                                    type(self._container_strategy()).__name__)
             step.trained = step.trained or len(args) == 2
             return super()._update(var, fn, args, kwargs, group)
         # A worker's optimizer step is the ps's job: the gradient is recorded, and pushed
@@ -243,9 +272,11 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             if role == protocol.GRADIENT and id(variable) not in pushed:
                 role = protocol.VALUE  # trainable, but no gradient reaches it
                 variable._tfdist_role = role
-            entries[variable._tfdist_ps_index].append({
-                "path": variable._tfdist_path, "shape": variable.shape.as_list(),
-                "dtype": variable.dtype.name, "role": role})
+            entry = {"path": variable._tfdist_path, "shape": variable.shape.as_list(),
+                     "dtype": variable.dtype.name, "role": role}
+            for shard in (range(len(entries)) if variable._tfdist_everywhere
+                          else [variable._tfdist_ps_index]):
+                entries[shard].append(entry)
             if role in protocol.PUSHED_ROLES:
                 self._shards[variable._tfdist_ps_index].append(variable)
         for variables in self._shards:
@@ -267,6 +298,11 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                     if answer["initialize"]:
                         master.assign(variable.read_value(), read_value=False)
                     variable.bind(master)
+                    if (variable._tfdist_role == protocol.OPTIMIZER
+                            and not self._connection.is_chief):
+                        # Every worker runs the user's callbacks; the chief's set the
+                        # optimizer (a learning rate halved once, not once per worker).
+                        variable.follow()
             self._clients = clients
             self._layouts = [protocol.ShardLayout(e) for e in entries]
             dtypes = (self._compressor.payload_dtypes(tf.float32) if self._compressor
@@ -327,12 +363,19 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                 raise ValueError(
                     "tfdist parameter-server strategies train with a Keras optimizer inside "
                     "`model.fit` (or `optimizer.apply` in `strategy.run`)")
+            check_optimizer(self._optimizer, self._mode,
+                                    type(self._container_strategy()).__name__)
         unknown = [v.name for v in variables if not isinstance(v, MirrorVariable)]
         if unknown:
             raise ValueError(f"these trained variables were not created under the strategy's "
                              f"scope: {unknown}. Build the model and compile it inside "
                              "`with strategy.scope():`")
         self._ensure_run(variables)
+        sparse = [v._tfdist_path for v, g in step.recorded if isinstance(g, tf.IndexedSlices)]
+        if sparse and not getattr(self, "_warned_sparse", False):
+            self._warned_sparse = True
+            log.warning("tfdist: the gradients of %s are sparse (embedding rows); a push "
+                        "carries them dense, the whole variable each step", sparse)
         gradients = {id(v): g for v, g in step.recorded}
         missing = [v._tfdist_path for s in self._shards for v in s
                    if v._tfdist_role == protocol.GRADIENT and id(v) not in gradients]
