@@ -4,7 +4,7 @@
     python benchmarks/report.py --full     # the settings the issues ask for (about an hour)
     python benchmarks/report.py --reuse    # rebuild the report from the JSON already there
 
-Writes into --out_dir: straggler.{json,png}, quality.{json,png}, scaling.json,
+Writes into --out_dir: rates.json, straggler.{json,png}, quality.{json,png}, scaling.json,
 capacity.{json,png}, compression.{json,png} and report.md, which shows the tables and plots
 side by side with the TF built-ins measured in the same run (where they run).
 """
@@ -30,6 +30,9 @@ flags.DEFINE_string("out_dir", os.path.join("benchmarks", "results"), "Where res
 flags.DEFINE_float("bandwidth_gbit", 10.0, "Network bandwidth of the capacity projection.")
 flags.DEFINE_float("latency_us", 50.0, "Network latency of the capacity projection.")
 flags.DEFINE_float("run_timeout", 3600.0, "Seconds each benchmark may take.")
+flags.DEFINE_string("peer_python", None, "Python of an environment with tensorflow and "
+                    "tf_keras, for the rates table's ParameterServerStrategy rows "
+                    "(benchmarks/tf_keras_peer.py).")
 
 
 def _path(name):
@@ -180,15 +183,41 @@ def compression_section(result):
     return parts
 
 
-def write_report(straggler, quality, scaling, capacity_result, compression):
+def rates_section(rates):
+    parts = ["## Update rates, every strategy on one job", "",
+             f"{rates['num_workers']} workers, {rates['job']}, {rates['network']}; global "
+             f"updates per second on the chief over {rates['window_seconds']:g} s windows, "
+             f"median of {rates['repeats']} interleaved runs. Ratios are to tfdist's "
+             "MultiWorkerMirrored (all-reduce) and, for async, to tf_keras `fit` under TF's "
+             "ParameterServerStrategy (its async training) at the same steps_per_execution.", ""]
+    rows = []
+    for name, row in rates["rows"].items():
+        rate = row["updates_per_second"]
+        peer = row.get("ratio_to_tf_keras_pss")
+        rows.append([name, "error" if rate is None else f"{rate:.1f}",
+                     f"{row['ratio_to_mwms']:.2f}" if "ratio_to_mwms" in row else "",
+                     f"{peer:.2f}" if peer else ""])
+    parts += [_table(["mode", "updates/s", "vs all-reduce", "vs tf_keras PSS"], rows), ""]
+    held = ", ".join(f"{k}: {' / '.join(str(b) for b in v)} bytes"
+                     for k, v in rates["bytes_per_ps_task"].items())
+    parts += [f"Model bytes each ps task holds (what its pushes and replies carry): {held}.", ""]
+    return parts
+
+
+def write_report(straggler, quality, scaling, capacity_result, compression, rates=None):
     parts = ["# tfdist benchmark report", "",
-             f"Settings: {'full' if FLAGS.full else 'CI-sized (fast)'}. Every figure was "
-             "measured on this machine; each comparison (a ratio, a difference to one process) "
-             "is between figures of the same benchmark run. Compare those, not absolute times: "
-             "workers, ps and launcher share this machine's cores.", ""]
+             f"Settings: {'full' if FLAGS.full else 'CI-sized (fast)'}; each section names the "
+             "workers, model and network of its own table. Every figure was "
+             "measured on this machine (2 cores); each comparison (a ratio, a difference to one "
+             "process) is between figures of the same benchmark run. Compare those, not "
+             "absolute times: workers, ps and launcher share this machine's cores.", ""]
+    if rates is not None:
+        parts += rates_section(rates)
     parts += ["## Update rate with one straggler", "",
-              f"1 ps + {straggler['num_workers']} workers; the last worker slowed "
-              f"{straggler['slowdown']:g}x. Rate = chief's global steps per second.", ""]
+              f"1 ps + {straggler['num_workers']} workers (all-reduce: no ps), digits MLP "
+              "64-64-10, batch 32 per worker, localhost; the last worker slowed "
+              f"{straggler['slowdown']:g}x. Rate = chief's global steps per second over "
+              f"{straggler['window_seconds']:g} s.", ""]
     rows = []
     for name, r in straggler["modes"].items():
         if "rate_ratio" in r:
@@ -251,6 +280,11 @@ def write_report(straggler, quality, scaling, capacity_result, compression):
 def main(argv):
     del argv
     os.makedirs(FLAGS.out_dir, exist_ok=True)
+    if _needed("rates.json"):
+        _run("rates.py", f"--out={_path('rates')}",
+             *(["--num_workers=2"] if FLAGS.full else ["--num_workers=2", "--repeats=1",
+                                                      "--window=3", "--warmup=2"]),
+             *([f"--peer_python={FLAGS.peer_python}"] if FLAGS.peer_python else []))
     if _needed("straggler.json"):
         _run("straggler.py", f"--out={_path('straggler')}",
              *(["--num_workers=4", "--window=10"] if FLAGS.full
@@ -275,7 +309,7 @@ def main(argv):
         json.dump(capacity_result, f, indent=1)
     plot_capacity(capacity_result, _path("capacity.png"))
     write_report(_load("straggler.json"), _load("quality.json"), scaling, capacity_result,
-                 compression)
+                 compression, _load("rates.json"))
     print(f"report: {_path('report.md')}", flush=True)
 
 

@@ -30,7 +30,9 @@ flags.DEFINE_integer("crash_after_epoch", -1, "checkpoint: the chief dies after 
 flags.DEFINE_string("out_dir", None, "Where to write results.")
 tfdist.strategies.define_flags(default="soft_sync")
 flags.DEFINE_integer("epochs", 3, "Epochs.")
-flags.DEFINE_enum("optimizer", "sgd", ["sgd", "momentum", "adam"], "Optimizer.")
+flags.DEFINE_enum("optimizer", "sgd", ["sgd", "momentum", "adam", "adamw", "loss_scale"],
+                  "Optimizer. adamw: weight decay but not on biases, and a kernel constraint "
+                  "on the first layer; loss_scale: SGD in a dynamic LossScaleOptimizer.")
 flags.DEFINE_integer("slow_rank", -1, "A worker that sleeps after each step.")
 flags.DEFINE_float("slow_delay", 0.05, "Its sleep, in seconds.")
 flags.DEFINE_integer("steps_per_execution", 1, "Keras `steps_per_execution`.")
@@ -48,11 +50,23 @@ def data():
 
 def build_model(optimizer, steps_per_execution=1):
     keras.utils.set_random_seed(1)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"),
+    constraint = keras.constraints.MaxNorm(0.5) if optimizer == "adamw" else None
+    model = keras.Sequential([keras.Input((8,)),
+                              keras.layers.Dense(16, activation="tanh",
+                                                 kernel_constraint=constraint),
                               keras.layers.Dense(2, activation="softmax")])
+
+    def adamw():
+        adamw = keras.optimizers.AdamW(0.01, weight_decay=0.5)
+        adamw.exclude_from_weight_decay(var_names=["bias"])
+        return adamw
+
     optimizers = {"sgd": lambda: keras.optimizers.SGD(0.1),
                   "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-                  "adam": lambda: keras.optimizers.Adam(0.01)}
+                  "adam": lambda: keras.optimizers.Adam(0.01),
+                  "adamw": adamw,
+                  "loss_scale": lambda: keras.optimizers.LossScaleOptimizer(
+                      keras.optimizers.SGD(0.1), initial_scale=2.0 ** 4, dynamic_growth_steps=2)}
     model.compile(optimizer=optimizers[optimizer](), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"], steps_per_execution=steps_per_execution)
     return model

@@ -30,12 +30,15 @@ from tfdist.ps.connection import compute_device
 class HardSyncEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
 
     @parameterized.parameters(("soft_sync", "sgd", 1), ("soft_sync", "adam", 1),
-                              ("soft_sync", "momentum", 3), ("model_averaging", "sgd", 1))
+                              ("soft_sync", "momentum", 3), ("soft_sync", "adamw", 1),
+                              ("soft_sync", "loss_scale", 1), ("model_averaging", "sgd", 1))
     def test_two_workers_match_one_process_on_the_combined_batch(self, strategy, optimizer,
                                                                  steps_per_execution):
         # Model averaging every step with plain SGD is hard sync too. Every run halves the
         # learning rate each epoch from a callback (a write that must reach both ps tasks'
-        # optimizers); one runs 3 steps per `tf.function` call, 4 steps an epoch.
+        # optimizers); one runs 3 steps per `tf.function` call, 4 steps an epoch. adamw: the
+        # ps applies the kernel constraint and skips the biases' weight decay. loss_scale:
+        # each worker keeps its own dynamic scale (which grows every 2 steps).
         out = self.get_temp_dir()
         cluster, result = run_cluster(out, 2, "--scenario=equivalence", "--epochs=3",
                                       f"--strategy={strategy}", f"--optimizer={optimizer}",

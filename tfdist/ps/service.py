@@ -223,6 +223,10 @@ class ShardUpdater:
                         "zeros", shape=e["shape"], dtype=e["dtype"],
                         name=e["path"].rpartition("/")[2],
                         trainable=e["role"] == protocol.GRADIENT))
+            for variable, e in zip(self.variables, entries):
+                if e.get("constraint") is not None:
+                    variable.constraint = self._deserialize(
+                        keras.constraints.get, e["constraint"], f"the constraint of {e['path']}")
             self.main_variables = self.variables[:len(self.layout.main)]
             self.value_variables = self.variables[len(self.layout.main):]
             self.optimizer = None
@@ -230,6 +234,10 @@ class ShardUpdater:
                 for module in self.spec.get("imports", []):
                     self._import(module)
                 self.optimizer = self._rebuild_optimizer()
+                excluded = [v for v, e in zip(self.main_variables, self.layout.main)
+                            if e.get("weight_decay") is False]
+                if excluded:
+                    self.optimizer.exclude_from_weight_decay(var_list=excluded)
                 self.optimizer.build(self.main_variables)
         with tf.device(self.device):
             self.clocks = tf.Variable(tf.zeros([self.num_workers], tf.int64))
@@ -249,14 +257,18 @@ class ShardUpdater:
 
     def _rebuild_optimizer(self):
         config = ps_optimizer_config(self.spec["optimizer"])
+        name = config.get("class_name") if isinstance(config, dict) else config
+        return self._deserialize(keras.optimizers.deserialize, config,
+                                 f"the workers' optimizer {name!r}")
+
+    def _deserialize(self, get, config, what):
         try:
-            return keras.optimizers.deserialize(config)
+            return get(config)
         except Exception as e:
-            name = config.get("class_name") if isinstance(config, dict) else config
             raise RunFailed(
-                f"{self.service.task} could not rebuild the workers' optimizer {name!r} from "
-                f"its Keras config ({type(e).__name__}: {e}). A custom optimizer (or learning "
-                "rate schedule) must be registered with "
+                f"{self.service.task} could not rebuild {what} from its Keras config "
+                f"({type(e).__name__}: {e}). A custom class (optimizer, learning rate "
+                "schedule, constraint) must be registered with "
                 "`@keras.saving.register_keras_serializable()` in a module the ps tasks can "
                 "import (tfdist imports the optimizer's module there)") from None
 

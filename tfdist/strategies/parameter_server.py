@@ -222,10 +222,16 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         try:
             with replica_step():
                 result = super()._call_for_each_replica(fn, args, kwargs)
-                if self._mode == AVERAGING and step.trained:
+                if self._mode == AVERAGING and step.trained and previous is None:
                     self._count_local_step()
         finally:
             self._tls.step = previous
+        if previous is not None:
+            # A nested call (a LossScaleOptimizer applies in its own replica call): the
+            # outer step's logs tell what it did.
+            previous.pushed = previous.pushed or step.pushed
+            previous.trained = previous.trained or step.trained
+            return result
         if not (step.pushed or step.trained) or not isinstance(result, dict):
             return result
         return {**result, **self._logs()}
@@ -274,6 +280,8 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                 variable._tfdist_role = role
             entry = {"path": variable._tfdist_path, "shape": variable.shape.as_list(),
                      "dtype": variable.dtype.name, "role": role}
+            if role == protocol.GRADIENT and self._mode == GRADIENTS:
+                entry.update(self._update_options(variable))
             for shard in (range(len(entries)) if variable._tfdist_everywhere
                           else [variable._tfdist_ps_index]):
                 entries[shard].append(entry)
@@ -311,6 +319,29 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                 client.open_push_queue(dtypes)
             self._residuals = [None] * len(clients)
             self._pull()
+
+    def _update_options(self, variable):
+        """What the ps-side optimizer must know of a trained variable: its Keras constraint,
+        and whether weight decay skips it (`exclude_from_weight_decay`)."""
+        inner = getattr(self._optimizer, "inner_optimizer", self._optimizer)
+        keras_variables = {id(getattr(kv, "_value", None)): kv
+                           for kv in getattr(inner, "_trainable_variables", [])}
+        keras_variable = keras_variables.get(id(variable))
+        if keras_variable is None:
+            return {}
+        options = {}
+        if getattr(inner, "weight_decay", None) and not inner._use_weight_decay(keras_variable):
+            options["weight_decay"] = False
+        constraint = keras_variable.constraint
+        if constraint is not None:
+            if not isinstance(constraint, keras.constraints.Constraint):
+                raise ValueError(
+                    f"the constraint of {variable._tfdist_path} is {constraint!r}; the ps tasks "
+                    "apply constraints after each update and need a "
+                    "`keras.constraints.Constraint` (a custom one registered with "
+                    "`@keras.saving.register_keras_serializable()`)")
+            options["constraint"] = keras.constraints.serialize(constraint)
+        return options
 
     def _spec(self, shard, entries):
         config = self._connection.config
