@@ -50,8 +50,15 @@ def _load(name):
         return json.load(f)
 
 
+RESULTS = ("rates.json", "straggler.json", "quality.json", "scaling.json", "compression.json")
+MEASURED = set()  # what this run measured
+
+
 def _needed(name):
-    return not (FLAGS.reuse and os.path.exists(_path(name)))
+    needed = not (FLAGS.reuse and os.path.exists(_path(name)))
+    if needed:
+        MEASURED.add(name)
+    return needed
 
 
 def measure_scaling(worker_counts, window):
@@ -211,6 +218,10 @@ def write_report(straggler, quality, scaling, capacity_result, compression, rate
              "measured on this machine (2 cores); each comparison (a ratio, a difference to one "
              "process) is between figures of the same benchmark run. Compare those, not "
              "absolute times: workers, ps and launcher share this machine's cores.", ""]
+    reused = [name for name in RESULTS if FLAGS.reuse and name not in MEASURED]
+    if reused:
+        parts += ["Not re-measured by this run (`--reuse`: the JSON already there, from an "
+                  f"earlier run; see its commit): {', '.join(reused)}.", ""]
     if rates is not None:
         parts += rates_section(rates)
     parts += ["## Update rate with one straggler", "",

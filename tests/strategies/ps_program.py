@@ -169,7 +169,8 @@ def main(argv):
               "pushes": int(sum(len(range(0, len(xs), BATCH)) for _ in history.epoch))
               + (1 if FLAGS.scenario == "late" else 0),
               "local_weights": [w.tolist() for w in model.get_weights()],
-              "devices": sorted({w.value.device for w in model.weights})}
+              "devices": sorted({w.value.device for w in model.weights}),
+              "loss_scale": float(getattr(model.optimizer, "dynamic_scale", 0.0))}
     if strategy.is_chief:
         stats = result["progress"]
         result.update(updates=stats["updates"], dropped=stats["dropped_gradients"],

@@ -29,24 +29,29 @@ from tfdist.ps.connection import compute_device
 
 class HardSyncEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
 
-    @parameterized.parameters(("soft_sync", "sgd", 1), ("soft_sync", "adam", 1),
-                              ("soft_sync", "momentum", 3), ("soft_sync", "adamw", 1),
-                              ("soft_sync", "loss_scale", 1), ("model_averaging", "sgd", 1))
+    @parameterized.parameters(("soft_sync", "sgd", 1, 5), ("soft_sync", "adam", 1, 2),
+                              ("soft_sync", "momentum", 3, 2), ("soft_sync", "adamw", 1, 2),
+                              ("soft_sync", "loss_scale", 1, 2), ("model_averaging", "sgd", 1, 2))
     def test_two_workers_match_one_process_on_the_combined_batch(self, strategy, optimizer,
-                                                                 steps_per_execution):
+                                                                 steps_per_execution, num_ps):
         # Model averaging every step with plain SGD is hard sync too. Every run halves the
         # learning rate each epoch from a callback (a write that must reach both ps tasks'
         # optimizers); one runs 3 steps per `tf.function` call, 4 steps an epoch. adamw: the
         # ps applies the kernel constraint and skips the biases' weight decay. loss_scale:
-        # each worker keeps its own dynamic scale (which grows every 2 steps).
+        # each worker keeps its own dynamic scale (which grows every 2 steps). 5 ps tasks
+        # for 4 variables: one holds only the optimizer's counters.
         out = self.get_temp_dir()
         cluster, result = run_cluster(out, 2, "--scenario=equivalence", "--epochs=3",
                                       f"--strategy={strategy}", f"--optimizer={optimizer}",
-                                      f"--steps_per_execution={steps_per_execution}", num_ps=2)
+                                      f"--steps_per_execution={steps_per_execution}",
+                                      num_ps=num_ps)
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         chief = load_result(out, "worker0.json")
         self.assertEqual(chief["updates"], 3 * (ps_program.ROWS // 2 // ps_program.BATCH))
         self.assertEqual(chief["dropped"], 0)
+        if optimizer == "loss_scale":  # 12 finite steps: 6 doublings of 2 ** 4 on each worker
+            for rank in (0, 1):
+                self.assertEqual(load_result(out, f"worker{rank}.json")["loss_scale"], 2.0 ** 10)
         round_key = "averaging_round" if strategy == "model_averaging" else "global_step"
         self.assertEqual(chief["history"][round_key][-1], chief["updates"])
 

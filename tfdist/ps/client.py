@@ -1,6 +1,7 @@
 """A worker's side of the protocol with one ps task (see `tfdist.ps.protocol`)."""
 
 import os
+import time
 
 import tensorflow as tf
 
@@ -39,12 +40,25 @@ class ShardClient:
             tf.raw_ops.QueueEnqueueV2(handle=self.control,
                                       components=[tf.constant(protocol.encode(message))])
 
-    def hello(self, spec):
-        """Joins (or starts) the ps task's run for `spec`; returns the ps's answer."""
+    def hello(self, spec, timeout=60.0):
+        """Joins (or starts) the ps task's run for `spec`; returns the ps's answer.
+
+        Raises `RunError` if no answer comes within `timeout` seconds (a ps task that runs
+        no tfdist service: a bare `tf.distribute.Server`).
+        """
         nonce = os.urandom(8).hex()
         self._send_control({"type": "hello", "rank": self.rank, "nonce": nonce, "spec": spec})
+        deadline = time.monotonic() + timeout
         while True:
             with tf.init_scope(), tf.device(self.device):
+                while int(tf.raw_ops.QueueSizeV2(handle=self.answers)) == 0:
+                    if time.monotonic() > deadline:
+                        raise RunError(
+                            f"{self.task} at {self.connection.ps_addresses[self.shard]} did "
+                            f"not answer within {timeout:g} s. Serve ps tasks with "
+                            "`tfdist-launch --job_name=ps` (`tfdist.launch.server.serve`): a "
+                            "bare tf.distribute.Server runs no tfdist service")
+                    time.sleep(0.02)
                 text = tf.raw_ops.QueueDequeueV2(handle=self.answers,
                                                  component_types=[tf.string])[0]
             answer = protocol.decode(text.numpy())

@@ -155,10 +155,29 @@ def decode(text):
     return json.loads(text)
 
 
+def _fixed(optimizer):
+    """An optimizer config without what changes while training (a float learning rate a
+    callback sets, the name Keras numbers): a restarted worker's must still fit."""
+    if not isinstance(optimizer, dict):
+        return optimizer
+    config = dict(optimizer.get("config", {}))
+    if isinstance(config.get("learning_rate"), (int, float)):
+        config.pop("learning_rate")
+    config.pop("name", None)
+    if isinstance(config.get("inner_optimizer"), dict):
+        config["inner_optimizer"] = _fixed(config["inner_optimizer"])
+    return {**optimizer, "config": config}
+
+
 def compare_specs(run_spec, spec):
     """None if a worker's shard spec fits the run's, else what differs (for its error)."""
     keys = ("mode", "policy", "num_workers", "num_ps", "shard", "optimizer", "compression")
     for key in keys:
+        if key == "optimizer":
+            if _fixed(run_spec.get(key)) != _fixed(spec.get(key)):
+                return (f"its optimizer is {spec.get(key)!r}, the run's is "
+                        f"{run_spec.get(key)!r}")
+            continue
         if run_spec.get(key) != spec.get(key):
             return (f"its {key} is {spec.get(key)!r}, the run's is {run_spec.get(key)!r}")
     mine = {e["path"]: e for e in spec["variables"]}

@@ -388,6 +388,9 @@ class ShardUpdater:
                 mean, protocol.ShardLayout.flatten([v.value for v in self.main_variables]),
                 self.weights_read[state["last_rank"]], self.policy.delay_compensation)
             parts = self.layout.unflatten(mean, self.layout.main, self.layout.main_sizes)
+        if self.optimizer is None:  # a shard with no trained variable: state only
+            with tf.control_dependencies(updates):
+                return self._step() + 1
         extended = self.strategy.extended
         extended.learning_rate_factor = self.policy.learning_rate_factor(
             state["staleness_sum"] // tf.maximum(tf.cast(state["accepted"], tf.int64), 1))
@@ -543,8 +546,8 @@ class ShardUpdater:
                 # A worker joins (or re-joins): it is sent the current weights. A push of an
                 # earlier process of its rank is still used, but not answered: the new
                 # process waits for a reply to its own pushes only.
+                self._rejoin(tf.constant(rank), self._live_mask())
                 if self.members[rank] != protocol.LIVE:
-                    self._rejoin(tf.constant(rank), self._live_mask())
                     self._set_member(rank, protocol.LIVE)
                 state = {**state, "released": tf.tensor_scatter_nd_update(
                     state["released"], [[rank]], [False])}
@@ -593,9 +596,8 @@ class ShardUpdater:
             tag, rank = int(entry[0]), int(entry[1])
             if tag in (protocol.LEAVE, protocol.DEAD):
                 if self.members[rank] in (protocol.EXPECTED, protocol.LIVE):
-                    with self.service.lock:
-                        self.members[rank] = (protocol.LEFT if tag == protocol.LEAVE
-                                              else protocol.DIED)
+                    self._set_member(rank, protocol.LEFT if tag == protocol.LEAVE
+                                     else protocol.DIED)
             elif tag == protocol.STOP:
                 return
             else:
@@ -626,10 +628,12 @@ class PSService:
     Args:
       config: the ps task's `ClusterConfig`.
       liveness_interval: seconds between probes of the workers' servers.
+      misses_to_dead: failed probes in a row after which a worker is dead.
     """
 
-    def __init__(self, config, liveness_interval=0.5):
+    def __init__(self, config, liveness_interval=0.5, misses_to_dead=4):
         self.config = config
+        self.misses_to_dead = misses_to_dead
         self.task = f"/job:ps/task:{config.task_index}"
         self.device = f"/job:ps/replica:0/task:{config.task_index}/device:CPU:0"
         self.liveness_interval = liveness_interval
@@ -690,6 +694,14 @@ class PSService:
         rank, spec = message["rank"], message["spec"]
         with self.lock:
             run = self.current
+            if run is not None and not (run.closing or run.finished.is_set()):
+                difference = protocol.compare_specs(run.spec, spec)
+                if difference is not None:
+                    self._answer(rank, {"nonce": message["nonce"], "error": (
+                        f"{spec['worker_tasks'][rank]} does not fit run {run.run} on "
+                        f"{self.task}: {difference}. Every worker must build the same model "
+                        "and optimizer under the strategy's scope")})
+                    return
             if run is not None and not run.admit(rank):
                 run = None
         if run is None:
@@ -702,14 +714,6 @@ class PSService:
             run.start()
             log.info("tfdist: %s: run %s started by %s", self.task, run.run,
                      spec["worker_tasks"][rank])
-        else:
-            difference = protocol.compare_specs(run.spec, spec)
-            if difference is not None:
-                self._answer(rank, {"nonce": message["nonce"], "error": (
-                    f"{spec['worker_tasks'][rank]} does not fit run {run.run} on {self.task}: "
-                    f"{difference}. Every worker must build the same model and optimizer "
-                    "under the strategy's scope")})
-                return
         initialize = rank == 0 and not all(is_initialized(v) for v in run.masters.values())
         self._answer(rank, {"nonce": message["nonce"], "run": run.run,
                             "initialize": initialize, "error": run.failure})
@@ -738,7 +742,10 @@ class PSService:
                     continue
                 misses[key] = misses.get(key, 0) + 1
                 late = time.monotonic() - run.created > run.spec["init_timeout"]
-                if key not in told and (misses[key] >= 2 if (
+                if key not in told and (misses[key] >= self.misses_to_dead if (
                         status == protocol.LIVE or key in seen) else late):
                     told.add(key)
-                    run.send_control(protocol.DEAD, rank)
+                    try:
+                        run.send_control(protocol.DEAD, rank)
+                    except tf.errors.OpError:
+                        pass  # the run ended meanwhile

@@ -258,7 +258,12 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             return super()._update(var, fn, args, kwargs, group)
         # A worker's optimizer step is the ps's job: the gradient is recorded, and pushed
         # once the last gradient of the all-reduce has its variable.
-        if len(args) == 2 and not step.pushed:
+        if len(args) == 2 and step.pushed:
+            raise ValueError(
+                "a second optimizer update in one train step: tfdist parameter-server "
+                "strategies push one `optimizer.apply` per step (a train step with two "
+                "optimizers, as in a GAN, is not supported)")
+        if len(args) == 2:
             step.recorded.append((var, args[0]))
             if len(step.recorded) == step.expected:
                 self._push_gradients(step)
@@ -294,7 +299,8 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         answers = []
         with tf.init_scope():
             for shard, client in enumerate(clients):
-                answers.append(client.hello(self._spec(shard, entries[shard])))
+                answers.append(client.hello(self._spec(shard, entries[shard]),
+                                            timeout=self._init_timeout))
             if any(a["initialize"] for a in answers):
                 log.info("tfdist: %s initialises the run's master variables",
                          self._connection.task_name)
@@ -306,10 +312,10 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                     if answer["initialize"]:
                         master.assign(variable.read_value(), read_value=False)
                     variable.bind(master)
-                    if (variable._tfdist_role == protocol.OPTIMIZER
-                            and not self._connection.is_chief):
-                        # Every worker runs the user's callbacks; the chief's set the
-                        # optimizer (a learning rate halved once, not once per worker).
+                    if not self._connection.is_chief:
+                        # Every worker runs the user's callbacks; only the chief's eager
+                        # writes reach the masters (a learning rate halved once, not once
+                        # per worker; one worker's best weights restored, not each one's).
                         variable.follow()
             self._clients = clients
             self._layouts = [protocol.ShardLayout(e) for e in entries]
@@ -388,20 +394,34 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
     def _push_gradients(self, step):
         step.pushed = True
         variables = [v for v, _ in step.recorded]
+        if self._left:
+            raise ValueError(f"{self._connection.task_name} has left the run "
+                             "(`strategy.join()`): it cannot train any more")
+        optimizer = _tf_compat.keras_optimizer_in_scope()
         if self._optimizer is None:
-            self._optimizer = _tf_compat.keras_optimizer_in_scope()
-            if self._optimizer is None:
+            self._optimizer = optimizer
+            if optimizer is None:
                 raise ValueError(
                     "tfdist parameter-server strategies train with a Keras optimizer inside "
                     "`model.fit` (or `optimizer.apply` in `strategy.run`)")
-            check_optimizer(self._optimizer, self._mode,
-                                    type(self._container_strategy()).__name__)
+            check_optimizer(optimizer, self._mode, type(self._container_strategy()).__name__)
+        elif optimizer is not self._optimizer:
+            raise ValueError(
+                "the train step applies another optimizer than the run's first (the model "
+                "was compiled again?): the ps tasks apply the optimizer the run started with. "
+                "Compile once per strategy")
         unknown = [v.name for v in variables if not isinstance(v, MirrorVariable)]
         if unknown:
             raise ValueError(f"these trained variables were not created under the strategy's "
                              f"scope: {unknown}. Build the model and compile it inside "
                              "`with strategy.scope():`")
         self._ensure_run(variables)
+        frozen = [v._tfdist_path for v in variables if v._tfdist_role != protocol.GRADIENT]
+        if frozen:
+            raise ValueError(
+                f"the train step trains {frozen}, which the run's first step did not train "
+                "(unfrozen after training began?); the ps tasks keep the variables the run "
+                "started with as state. Set `trainable` before the first `fit`")
         sparse = [v._tfdist_path for v, g in step.recorded if isinstance(g, tf.IndexedSlices)]
         if sparse and not getattr(self, "_warned_sparse", False):
             self._warned_sparse = True
@@ -546,19 +566,26 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                 with replica_step():
                     tf.function(self._average)()
             if not wait:
-                self._pull()
-                for client in self._clients:
-                    client.send_control(protocol.LEAVE)
+                try:
+                    self._pull()
+                finally:
+                    self._send_leave()
                 return
             # Leave first: a worker whose last push waits for a partner must not wait for
             # this one. Once the others are gone nothing changes the masters: read them.
-            for client in self._clients:
-                client.send_control(protocol.LEAVE)
+            self._send_leave()
             self._wait_for_others(timeout)
             self._take_masters()
         except (tf.errors.OpError, RunError) as e:
             log.warning("tfdist: %s could not leave the run cleanly: %s",
                         self._connection.task_name, e)
+
+    def _send_leave(self):
+        for client in self._clients:
+            try:
+                client.send_control(protocol.LEAVE)
+            except tf.errors.OpError:
+                pass  # the run has ended (its queues are closed)
 
     def _take_masters(self):
         with tf.init_scope(), replica_step():
