@@ -89,6 +89,9 @@ class _ShardStrategy(tf.distribute.Strategy):
         super().__init__(_ShardExtended(self, device, masters))
 
 
+_NO_CLOCK = 2 ** 62  # above any SSP clock
+
+
 class RunFailed(Exception):
     """The run cannot go on; the message is what every worker is told."""
 
@@ -434,11 +437,16 @@ class ShardUpdater:
         with tf.control_dependencies(ticked):
             self._release_caught_up_fn(live, step, state, updated=True)
 
+    @staticmethod
+    def _slowest_clock(clocks, mask):
+        """The smallest clock of the workers in `mask` (`_NO_CLOCK` if none)."""
+        none = tf.fill(tf.shape(clocks), tf.constant(_NO_CLOCK, tf.int64))
+        return tf.reduce_min(tf.where(mask, clocks, none))
+
     def _release_caught_up_fn(self, live, step=None, state=None, updated=False):
         step = self._step() if step is None else step
         clocks = self.clocks.read_value()
-        big = tf.constant(2 ** 62, tf.int64)
-        slowest = tf.reduce_min(tf.where(live, clocks, big))
+        slowest = self._slowest_clock(clocks, live)
         gaps = clocks - slowest
         release = tf.logical_and(tf.logical_and(self.waiting.read_value(), live),
                                  gaps <= self.policy.max_staleness)
@@ -486,13 +494,12 @@ class ShardUpdater:
     def _rejoin_fn(self, rank, live):
         """A worker (re)joins: SSP counts it from the slowest other live worker's clock."""
         with tf.device(self.device):
-            big = tf.constant(2 ** 62, tf.int64)
             others = tf.logical_and(live, tf.logical_not(tf.one_hot(
                 rank, self.num_workers, on_value=True, off_value=False)))
-            slowest = tf.reduce_min(tf.where(others, self.clocks.read_value(), big))
-            clock = tf.where(slowest == big, tf.constant(0, tf.int64), slowest)
+            slowest = self._slowest_clock(self.clocks.read_value(), others)
+            clock = tf.where(slowest == _NO_CLOCK, tf.constant(0, tf.int64), slowest)
             self.clocks.scatter_nd_update([[rank]], [clock])
-            self.waiting.scatter_nd_update([[rank]], [False])
+            self._forget_fn(rank)
 
     def _forget_fn(self, rank):
         with tf.device(self.device):
@@ -721,7 +728,8 @@ class PSService:
     def _watch(self):
         """Finds workers whose server went away, or never came, and tells their run.
 
-        A worker that has joined, or whose server was seen, is dead after two missed probes;
+        A worker that has joined, or whose server was seen, is dead after `misses_to_dead`
+        missed probes in a row;
         one whose server never answered is dead `init_timeout` after the run started. A
         slow worker whose server answers is never cut off.
         """
