@@ -67,12 +67,15 @@ def _measure(strategy, pace, out_dir):
     time.sleep(FLAGS.window)
     after = _progress(strategy, pace)
     elapsed = time.monotonic() - start
+    figures = ({name: (after[name] - before[name]) / elapsed for name in
+                ("global_step", "dropped_gradients", "aggregated_gradients")}
+               | {"updates_per_second": (after["global_step"] - before["global_step"])
+                  / elapsed, "staleness_max": after["staleness_max"],
+                  "staleness_mean": after["staleness_mean"]})
+    if hasattr(strategy, "placement"):
+        figures["placement"] = strategy.placement()
     with open(os.path.join(out_dir, "rate.json"), "w") as f:
-        json.dump({name: (after[name] - before[name]) / elapsed for name in
-                   ("global_step", "dropped_gradients", "aggregated_gradients")}
-                  | {"updates_per_second": (after["global_step"] - before["global_step"])
-                     / elapsed, "staleness_max": after["staleness_max"],
-                     "staleness_mean": after["staleness_mean"]}, f)
+        json.dump(figures, f)
     open(os.path.join(out_dir, "stop"), "w").close()
 
 

@@ -11,8 +11,9 @@ warm-up; rows are run `--repeats` times, interleaved, and the median is kept. Ra
 against tfdist's `MultiWorkerMirroredStrategy` measured in the same run (which runs one step
 per call: TF 2.21's collectives cannot run in Keras's multi-step loop), and the async rows
 also against the peer at the same `steps_per_execution` (its async training: every step an
-update). Bytes per ps task are the model bytes each task holds (what each push and reply
-carries for it).
+update). Bytes per ps task are what one push of a worker carries to each task (the reply
+carries as much back), as the runs placed the model (`strategy.placement()`: variables split
+by rows over the ps tasks with the default `variable_partitioner="auto"`).
 """
 
 import json
@@ -127,8 +128,7 @@ def main(argv):
         peer = results["rows"].get(PEER + name.partition(", 1 ps")[2])
         if name.startswith("async, 1 ps") and peer and peer["updates_per_second"]:
             row["ratio_to_tf_keras_pss"] = row["updates_per_second"] / peer["updates_per_second"]
-    # Parameters are spread by size: each of 2 ps tasks holds about half the model.
-    results["bytes_per_ps_task"] = _bytes_per_ps()
+    results["bytes_per_ps_task"] = _bytes_per_ps(runs)
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(results, f, indent=1)
@@ -136,16 +136,16 @@ def main(argv):
                       for n, r in results["rows"].items()}, indent=1))
 
 
-def _bytes_per_ps():
-    """Bytes each ps task holds of the benchmark model, as the engine places them."""
-    sizes = [64 * 64, 64, 64 * 10, 10]
+def _bytes_per_ps(runs):
+    """What one push of a worker carries to each ps task, as the runs placed the model
+    (`strategy.placement()`), per number of ps tasks."""
     out = {}
-    for num_ps in (1, 2):
-        held = [0] * num_ps
-        for size in sizes:
-            held[min(range(num_ps), key=lambda i: (held[i], i))] += 4 * size
-        out[f"{num_ps} ps"] = held
-    return out
+    for figures in runs.values():
+        for figure in figures:
+            if figure.get("placement"):
+                key = f"{len(figure['placement'])} ps"
+                out.setdefault(key, [task["bytes_pushed"] for task in figure["placement"]])
+    return dict(sorted(out.items()))
 
 
 if __name__ == "__main__":

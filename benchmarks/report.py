@@ -207,7 +207,8 @@ def rates_section(rates):
     parts += [_table(["mode", "updates/s", "vs all-reduce", "vs tf_keras PSS"], rows), ""]
     held = ", ".join(f"{k}: {' / '.join(str(b) for b in v)} bytes"
                      for k, v in rates["bytes_per_ps_task"].items())
-    parts += [f"Model bytes each ps task holds (what its pushes and replies carry): {held}.", ""]
+    parts += [f"Bytes one push of a worker carries to each ps task (its reply carries as "
+              f"much back), as the runs placed the model: {held}.", ""]
     return parts
 
 

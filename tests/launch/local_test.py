@@ -152,6 +152,8 @@ class LauncherCliTest(tf.test.TestCase):
             (["--job_name=boss"], "--job_name"),
             ([], "give --job_name=ps|worker|chief"),
             (["--job_name=ps", "--ps_hosts=localhost:2", "--", "true"], "a ps task runs no"),
+            (["--job_name=ps", "--ps_hosts=localhost:2", "--ps_import=no_such_module_here"],
+             r"--ps_import=no_such_module_here: cannot import it \(ModuleNotFoundError"),
         ]:
             result = self._run(*args)
             self.assertNotEqual(result.returncode, 0, args)

@@ -170,6 +170,7 @@ def main(argv):
               + (1 if FLAGS.scenario == "late" else 0),
               "local_weights": [w.tolist() for w in model.get_weights()],
               "devices": sorted({w.value.device for w in model.weights}),
+              "placement": strategy.placement() if history.epoch else None,
               "loss_scale": float(getattr(model.optimizer, "dynamic_scale", 0.0))}
     if strategy.is_chief:
         stats = result["progress"]

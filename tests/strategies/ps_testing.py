@@ -8,13 +8,16 @@ import time
 from tfdist.launch import LocalCluster
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "ps_program.py")
+USERS_MODEL = os.path.join(os.path.dirname(__file__), "ps_users_model.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 RUN_TIMEOUT = 180
 
 
 def make_cluster(out_dir, num_workers, *flags, **kwargs):
+    """A local cluster running `program` (default `ps_program.py`) on every worker."""
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return LocalCluster([sys.executable, PROGRAM, f"--out_dir={out_dir}", *flags],
+    program = kwargs.pop("program", PROGRAM)
+    return LocalCluster([sys.executable, program, f"--out_dir={out_dir}", *flags],
                         num_ps=kwargs.pop("num_ps", 1), num_workers=num_workers,
                         timeout=RUN_TIMEOUT, output=None, env=env, **kwargs)
 

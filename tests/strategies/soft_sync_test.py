@@ -16,6 +16,8 @@ from absl.testing import parameterized
 
 import tfdist
 from tests.strategies import ps_program
+from tests.strategies import ps_testing
+from tests.strategies import ps_users_model
 from tests.strategies.ps_testing import cluster_log
 from tests.strategies.ps_testing import load_result
 from tests.strategies.ps_testing import make_cluster
@@ -57,6 +59,21 @@ class HardSyncEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
 
         for got, want in zip(chief["weights"], one_process_reference(out, optimizer, 3)):
             self.assertAllClose(np.array(got), want, rtol=1e-5, atol=1e-6)
+        if num_ps > 1:
+            # The first kernel is split by rows over the ps tasks (kept whole under its
+            # MaxNorm constraint, which spans the rows); each task carries a fair share.
+            placement = chief["placement"]
+            kernel = [task["variables"]["sequential/dense/kernel"] for task in placement
+                      if "sequential/dense/kernel" in task["variables"]]
+            if optimizer == "adamw":
+                self.assertEqual(kernel, [None])
+            else:
+                rows = sorted(kernel)
+                self.assertEqual(len(rows), num_ps)
+                self.assertEqual([rows[0][0], rows[-1][1]], [0, 8])
+                self.assertTrue(all(a[1] == b[0] for a, b in zip(rows, rows[1:])), rows)
+                pushed = [task["bytes_pushed"] for task in placement]
+                self.assertLessEqual(max(pushed), 1.5 * sum(pushed) / num_ps, placement)
         # The model trains on the worker's own device (its CPU here: no GPU).
         self.assertEqual(chief["devices"], ["/job:worker/replica:0/task:0/device:CPU:0"])
 
@@ -195,6 +212,26 @@ class FaultTest(tf.test.TestCase, parameterized.TestCase):
                                       r"replicas_to_aggregate equal to the number of workers")
 
 
+    def test_a_killed_ps_is_named_and_no_worker_hangs(self):
+        # Soft sync 1 of 2 on 2 ps tasks: ps 1 holds half the model, so no worker can go on.
+        out = self.get_temp_dir()
+        with make_cluster(out, 2, "--scenario=long", "--epochs=400",
+                          "--strategy_arg=replicas_to_aggregate=1", num_ps=2,
+                          stop_on_failure=False) as cluster:
+            wait_for_line(cluster, "READY")
+            killed_at = time.monotonic()
+            os.kill(cluster.pid("ps:1"), signal.SIGKILL)
+            result = cluster.wait()
+            elapsed = time.monotonic() - killed_at
+        self.assertLess(elapsed, 60, "the workers should fail within seconds, not hang")
+        for rank in (0, 1):
+            self.assertNotEqual(result.task_returncodes[f"worker:{rank}"], 0,
+                                cluster_log(cluster))
+            lines = "\n".join(line for task, line in cluster.lines if task == f"worker:{rank}")
+            self.assertRegex(lines, r"/job:ps/task:1 at localhost:\d+ stopped answering: its "
+                                    r"shard .* is gone", cluster_log(cluster))
+
+
 class CheckpointTest(tf.test.TestCase):
 
     def test_backup_and_restore_resumes_and_model_checkpoint_loads(self):
@@ -225,6 +262,41 @@ class CheckpointTest(tf.test.TestCase):
         model.load_weights(os.path.join(out, "model.weights.h5"))
         for got, want in zip(model.get_weights(), chief["weights"]):
             self.assertAllClose(got, np.array(want), rtol=0, atol=0)
+
+
+class UsersModelTest(tf.test.TestCase):
+
+    def test_cnn_with_batchnorm_dropout_frozen_layer_adam_tf_data_and_checkpoint(self):
+        # Hard sync, 3 workers, 2 ps tasks (the large kernels split by rows).
+        out = self.get_temp_dir()
+        cluster, result = run_cluster(out, 3, "--epochs=2", num_ps=2,
+                                      program=ps_testing.USERS_MODEL,
+                                      ps_imports=["tests.strategies.ps_functions"])
+        self.assertEqual(result.returncode, 0, cluster_log(cluster))
+        workers = [load_result(out, f"worker{rank}.json") for rank in range(3)]
+        chief = workers[0]
+        history = chief["history"]
+        self.assertEqual(history["global_step"][-1], 2 * (500 // 32))
+        # It learns (chance is 0.1; its large Dense layer is frozen at random weights).
+        self.assertGreater(history["val_accuracy"][-1], 0.4)
+        self.assertLess(history["val_loss"][-1], history["val_loss"][0])
+        # Hard sync: every worker ends on the same weights (the last update's reply).
+        for worker in workers[1:]:
+            for path, value in chief["weights"].items():
+                self.assertAllClose(worker["weights"][path], value, rtol=0, atol=0, msg=path)
+        # The frozen layer is pushed as state every step (3 workers' mean of equal values)
+        # and does not move by a bit; BatchNorm's moving statistics are averaged.
+        for got, want in zip([chief["weights"]["frozen/kernel"], chief["weights"]["frozen/bias"]],
+                             chief["frozen_before"]):
+            self.assertAllEqual(np.array(got), np.array(want))
+        moving_mean = np.array(chief["weights"]["batch_normalization/moving_mean"])
+        self.assertGreater(np.abs(moving_mean).max(), 1e-3)
+        split = [task["variables"]["frozen/kernel"] for task in chief["placement"]]
+        self.assertEqual(sorted(split), [[0, 512], [512, 1024]])
+        # The chief's checkpoint is a whole Keras model that plain Keras loads.
+        model = keras.saving.load_model(os.path.join(out, "model.keras"))
+        x_val = ps_users_model.digits()[1][0][:16]
+        self.assertAllClose(model.predict(x_val, verbose=0), chief["predictions"], atol=1e-5)
 
 
 class ConstructionTest(tf.test.TestCase):
@@ -282,7 +354,9 @@ class ConstructionTest(tf.test.TestCase):
             check(lso, "gradients", strategy)
         # Model averaging trains locally: accumulation is the worker's own business.
         check(keras.optimizers.SGD(gradient_accumulation_steps=4), "averaging", strategy)
-        check(keras.optimizers.Adam(), "gradients", strategy)
+        with self.assertRaisesRegex(ValueError, r"the optimizer Adam was created outside the "
+                                                r"scope of SoftSyncStrategy.*inside `with"):
+            check(keras.optimizers.Adam(), "gradients", strategy)
 
     def test_bad_timeouts(self):
         with self.assertRaisesRegex(ValueError, "`init_timeout` must be a positive number"):

@@ -116,6 +116,8 @@ class LocalCluster:
         every line is also kept in `lines` as `(task, text)`.
       host: the host name written into TF_CONFIG.
       ps_threads: inter-op threads of each ps server.
+      ps_imports: modules each ps task imports before it serves (custom optimizers,
+        schedules, constraints or staleness functions the ps must rebuild).
       startup_timeout: seconds the ps tasks get to start listening.
       cwd: working directory of the tasks.
       stop_on_failure: stop every task when one fails (default). With False the other
@@ -129,7 +131,7 @@ class LocalCluster:
     def __init__(self, command, num_ps=1, num_workers=1, timeout=None, grace_period=3.0,
                  env=None, output=sys.stdout, host="localhost", ps_threads=None,
                  startup_timeout=30.0, cwd=None, stop_on_failure=True,
-                 isolate_network="auto"):
+                 isolate_network="auto", ps_imports=()):
         if not command or isinstance(command, str):
             raise ValueError(f"`command` must be a non-empty argv list. Received: {command!r}")
         if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
@@ -147,6 +149,10 @@ class LocalCluster:
         self.grace_period = grace_period
         self.startup_timeout = startup_timeout
         self.ps_threads = ps_threads
+        if isinstance(ps_imports, str):
+            raise ValueError(f"`ps_imports` must be a list of module names. Received: "
+                             f"{ps_imports!r}")
+        self.ps_imports = list(ps_imports)
         self.env = dict(env or {})
         self.output = output
         self.cwd = cwd
@@ -194,6 +200,7 @@ class LocalCluster:
                         f"--task_index={i}", "--ps_hosts=" + ",".join(self.config.cluster["ps"])]
                 if self.ps_threads:
                     argv.append(f"--ps_threads={self.ps_threads}")
+                argv += [f"--ps_import={module}" for module in self.ps_imports]
                 self._spawn(f"ps:{i}", argv, self.config.with_task("ps", i))
             if self.config.num_ps:
                 self._wait_for_ps()

@@ -47,6 +47,11 @@ flags.DEFINE_string("chief_host", None, "host:port of a separate chief task, if 
 flags.DEFINE_integer("ps_threads", None, "Inter-op threads of a ps server (default: 64, or "
                      "2 per worker + 8 when that is more).",
                      lower_bound=2)
+flags.DEFINE_multi_string(
+    "ps_import", [], "A module a ps task imports before it serves (repeatable): where custom "
+    "optimizers, learning-rate schedules, constraints or staleness functions are registered "
+    "(`@keras.saving.register_keras_serializable()`). The optimizer's own module is "
+    "imported without it.")
 flags.DEFINE_bool("local", False, "Start a whole cluster on this machine.")
 flags.DEFINE_integer("num_ps", 1, "With --local: number of ps tasks.", lower_bound=0)
 flags.DEFINE_integer("num_workers", 2, "With --local: number of worker tasks.", lower_bound=1)
@@ -117,6 +122,18 @@ def _config_from_flags():
         raise app.UsageError(f"bad cluster flags: {e}") from None
 
 
+def _import_modules(modules):
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:
+            raise app.UsageError(
+                f"--ps_import={module}: cannot import it ({type(e).__name__}: {e}). Install "
+                "it where the ps tasks run, or put it on their PYTHONPATH") from None
+
+
 def _run_local(command):
     from tfdist.launch.local import LocalCluster
 
@@ -126,7 +143,8 @@ def _run_local(command):
     cluster = LocalCluster(command, num_ps=FLAGS.num_ps, num_workers=FLAGS.num_workers,
                            timeout=FLAGS.timeout, grace_period=FLAGS.grace_period,
                            ps_threads=FLAGS.ps_threads, stop_on_failure=FLAGS.stop_on_failure,
-                           isolate_network="auto" if FLAGS.isolate_network else False)
+                           isolate_network="auto" if FLAGS.isolate_network else False,
+                           ps_imports=FLAGS.ps_import)
 
     def _terminate(signum, frame):
         raise KeyboardInterrupt
@@ -195,6 +213,7 @@ def main(argv):
             threads = ps_threads(config, FLAGS.ps_threads)
         except ValueError as e:
             raise app.UsageError(str(e).replace("`threads`", "--ps_threads")) from None
+        _import_modules(FLAGS.ps_import)
         return serve(config, threads=threads)
     if not command:
         raise app.UsageError(f"a {config.task_type} task needs its command after `--`, e.g. "

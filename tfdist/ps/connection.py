@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import as_cluster_config
+from tfdist.cluster import is_listening
 from tfdist.cluster import wait_for_tasks
 
 log = logging.getLogger("tfdist")
@@ -101,7 +102,11 @@ class PSConnection:
                             "/device:CPU:0")
         self.ps_devices = [ps_device(i) for i in range(self.num_ps)]
         self._ping(connect_timeout)
-        self._bytes_per_ps = [0] * self.num_ps
+
+    def unreachable_ps(self):
+        """`[(name, address)]` of the ps tasks whose server does not accept connections."""
+        return [(name, address) for name, address in zip(self.ps_names, self.ps_addresses)
+                if not is_listening(address)]
 
     def _ping(self, timeout):
         """Runs one op on every ps task, retrying while the first connections settle.
@@ -124,17 +129,3 @@ class PSConnection:
                             f"did not answer ops within {timeout:g} s: {e.message}") from None
                     time.sleep(0.2)
 
-    def place(self, shape, dtype):
-        """The ps device for a new variable: the one holding the fewest bytes so far.
-
-        Every worker creates the same variables in the same order, so every worker places
-        them the same way.
-        """
-        size = max(1, tf.TensorShape(shape).num_elements() or 1) * tf.as_dtype(dtype).size
-        index = min(range(self.num_ps), key=lambda i: (self._bytes_per_ps[i], i))
-        self._bytes_per_ps[index] += size
-        return index
-
-    @property
-    def bytes_per_ps(self):
-        return list(self._bytes_per_ps)

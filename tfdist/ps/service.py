@@ -272,8 +272,9 @@ class ShardUpdater:
                 f"{self.service.task} could not rebuild {what} from its Keras config "
                 f"({type(e).__name__}: {e}). A custom class (optimizer, learning rate "
                 "schedule, constraint) must be registered with "
-                "`@keras.saving.register_keras_serializable()` in a module the ps tasks can "
-                "import (tfdist imports the optimizer's module there)") from None
+                "`@keras.saving.register_keras_serializable()` in a module the ps tasks "
+                "import: tfdist imports the optimizer's own module there; name any other with "
+                "`tfdist-launch --job_name=ps --ps_import=MODULE`") from None
 
     def _import(self, module):
         try:
@@ -288,6 +289,9 @@ class ShardUpdater:
 
     def _flat_values(self):
         return protocol.ShardLayout.flatten([v.value for v in self.variables])
+
+    def _current_values(self):
+        return protocol.ShardLayout.flatten([v.value for v in self.value_variables])
 
     def _empty_state(self):
         zero = tf.constant(0, tf.int64)
@@ -330,6 +334,9 @@ class ShardUpdater:
         """Takes pushes until `required` usable ones, or a control entry."""
         step = self._step()
         main_dtypes = self.push_dtypes[2:-1]
+        # State values are summed as changes from the masters: pushes that all carry the
+        # master's value (frozen weights) leave it exactly as it is, step after step.
+        current = self._current_values()
 
         def cond(state, event, rank):
             return tf.logical_and(state["accepted"] < required, tf.equal(event, 0))
@@ -348,7 +355,8 @@ class ShardUpdater:
             new["total"], new["values"] = tf.cond(
                 usable,
                 lambda: (state["total"] + self._decode(payload, tag, entry_rank),
-                         state["values"] + tf.reshape(values, [self.layout.value_size])),
+                         state["values"] + tf.reshape(values, [self.layout.value_size])
+                         - current),
                 lambda: (state["total"], state["values"]))
             new["accepted"] = state["accepted"] + tf.cast(usable, tf.int32)
             new["dropped"] = state["dropped"] + tf.cast(stale, tf.int64)
@@ -376,8 +384,8 @@ class ShardUpdater:
         mean = state["total"] / count
         updates = []
         if self.layout.value_size:
-            values = self.layout.unflatten(state["values"] / count, self.layout.values,
-                                           self.layout.value_sizes)
+            values = self.layout.unflatten(self._current_values() + state["values"] / count,
+                                           self.layout.values, self.layout.value_sizes)
             updates += [v.assign(x) for v, x in zip(self.value_variables, values)]
         parts = self.layout.unflatten(mean, self.layout.main, self.layout.main_sizes)
         if self.policy.averages_weights:

@@ -34,7 +34,7 @@ def replica_step():
 
 
 def _stands_for_master(variable):
-    return (variable._tfdist_master is not None and tf.executing_eagerly()
+    return (bool(variable._tfdist_masters) and tf.executing_eagerly()
             and not getattr(_state, "depth", 0))
 
 
@@ -75,58 +75,82 @@ class MirrorVariable(_tf_compat.ResourceVariable):
     constructor arguments of its own.
     """
 
-    _tfdist_master = None
+    _tfdist_masters = ()    # (master, rows) per part, in row order; rows None: whole
     _tfdist_copies = ()
     _tfdist_writable = True
 
     @classmethod
-    def create(cls, path, ps_index, role, **kwargs):
-        """A mirror of the master at Keras path `path` on ps task `ps_index`.
+    def create(cls, path, role, **kwargs):
+        """A mirror of the master(s) at Keras path `path`.
 
         Args:
           path: the Keras variable path, the master's key.
-          ps_index: the ps task that holds the master.
           role: what a push does with it (`tfdist.ps.protocol` roles).
           **kwargs: `tf.Variable` arguments.
         """
         variable = cls(**{k: v for k, v in kwargs.items() if k in _MIRROR_ARGS})
         variable._tfdist_path = path
-        variable._tfdist_ps_index = ps_index
         variable._tfdist_role = role
         return variable
 
-    def bind(self, master):
-        """From now on, outside a step, this variable stands for `master`.
+    def bind(self, master, rows=None):
+        """From now on, outside a step, this variable stands for its masters.
 
-        Binding more masters makes them copies (the optimizer's step counter and learning
-        rate, one per ps task): reads take the first, writes go to all.
+        Args:
+          master: a master variable on a ps task.
+          rows: `(begin, end)`: the master holds these rows of this variable (a part of a
+            variable split over ps tasks). None: the whole variable; a second whole master
+            is a copy (the optimizer's step counter and learning rate, one per ps task):
+            reads take the first, writes go to all.
         """
-        if self._tfdist_master is None:
-            self._tfdist_master = master
-        else:
+        if rows is None and self._tfdist_masters:
             self._tfdist_copies = (*self._tfdist_copies, master)
+        else:
+            self._tfdist_masters = tuple(sorted((*self._tfdist_masters, (master, rows)),
+                                                key=lambda m: m[1] or (0, 0)))
 
     def follow(self):
         """Outside a step, writes are ignored: another task (the chief) sets this variable."""
         self._tfdist_writable = False
 
+    def master_value(self):
+        """The value of the master copy (its parts joined)."""
+        if len(self._tfdist_masters) == 1:
+            return self._tfdist_masters[0][0].read_value()
+        return tf.concat([master.read_value() for master, _ in self._tfdist_masters], axis=0)
+
+    def _set_masters(self, value, parts=True):
+        """Writes `value` to every master part (unless `parts` is False), every copy and
+        this variable."""
+        value = tf.convert_to_tensor(value, dtype=self.dtype)
+        for master, rows in self._tfdist_masters if parts else ():
+            master.assign(value if rows is None else value[rows[0]:rows[1]], read_value=False)
+        for copy in self._tfdist_copies:
+            copy.assign(value, read_value=False)
+        super().assign(value, read_value=False)
+        return self
+
     def _read_variable_op(self, no_copy=False):
         if _stands_for_master(self):
             with tf.device(self.device):
-                return tf.identity(self._tfdist_master.read_value())
+                return tf.identity(self.master_value())
         return super()._read_variable_op(no_copy=no_copy)
 
-    def _write(self, method, *args, **kwargs):
+    def _write(self, method, value, **kwargs):
         if not _stands_for_master(self):
-            return getattr(super(), method)(*args, **kwargs)
+            return getattr(super(), method)(value, **kwargs)
         if not self._tfdist_writable:
             return self
-        kwargs["read_value"] = False
-        getattr(self._tfdist_master, method)(*args, **kwargs)
-        for copy in self._tfdist_copies:
-            copy.assign(self._tfdist_master.read_value(), read_value=False)
-        super().assign(self._tfdist_master.read_value(), read_value=False)
-        return self
+        if len(self._tfdist_masters) == 1:
+            # One whole master: its own (atomic) op.
+            master = self._tfdist_masters[0][0]
+            getattr(master, method)(value, read_value=False)
+            return self._set_masters(master.read_value(), parts=False)
+        value = tf.convert_to_tensor(value, dtype=self.dtype)
+        if method != "assign":
+            current = self.master_value()
+            value = current + value if method == "assign_add" else current - value
+        return self._set_masters(value)
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         return self._write("assign", value, use_locking=use_locking, name=name,
@@ -145,11 +169,10 @@ class MirrorVariable(_tf_compat.ResourceVariable):
             return getattr(super(), method)(sparse_delta, use_locking=use_locking, name=name)
         if not self._tfdist_writable:
             return self
-        getattr(self._tfdist_master, method)(sparse_delta, use_locking=use_locking, name=name)
-        for copy in self._tfdist_copies:
-            copy.assign(self._tfdist_master.read_value(), read_value=False)
-        super().assign(self._tfdist_master.read_value(), read_value=False)
-        return self
+        super().assign(self.master_value(), read_value=False)
+        getattr(super(), method)(sparse_delta, use_locking=use_locking, name=name)
+        return self._set_masters(tf.raw_ops.ReadVariableOp(resource=self.handle,
+                                                           dtype=self.dtype))
 
     def scatter_update(self, sparse_delta, use_locking=False, name=None):
         return self._scatter("scatter_update", sparse_delta, use_locking, name)

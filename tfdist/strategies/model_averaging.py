@@ -36,12 +36,13 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
         its own residual, and the ps adds the mean decoded change to the master copy.
         Logs gain `bytes_sent` (the last round's push), `bytes_dense` and
         `compression_ratio`. PowerSGD is refused (it needs all-reduce rounds).
-      cluster, init_timeout, connect_timeout, inter_op_threads: as for `SoftSyncStrategy`.
+      cluster, init_timeout, connect_timeout, inter_op_threads, variable_partitioner: as for
+        `SoftSyncStrategy` (averaging is elementwise: "auto" splits with any optimizer).
     """
 
     def __init__(self, period=1, replicas_to_aggregate=None, optimizer_state="local",
                  cluster=None, init_timeout=60.0, connect_timeout=30.0, inter_op_threads=1,
-                 compression=None):
+                 compression=None, variable_partitioner="auto"):
         if isinstance(period, bool) or not isinstance(period, int) or period < 1:
             raise ValueError(f"`period` must be an integer >= 1 (local steps between averaging "
                              f"rounds). Received: {period!r}")
@@ -52,7 +53,8 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
             self, n_of_m_policy(AveragingPolicy, replicas_to_aggregate), cluster=cluster,
             init_timeout=init_timeout, connect_timeout=connect_timeout,
             inter_op_threads=inter_op_threads, compression=compression, mode=AVERAGING,
-            period=period, average_optimizer_state=optimizer_state == "averaged"))
+            period=period, average_optimizer_state=optimizer_state == "averaged",
+            variable_partitioner=variable_partitioner))
 
     @property
     def period(self):

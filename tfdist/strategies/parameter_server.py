@@ -16,14 +16,17 @@ import atexit
 import logging
 import threading
 import time
+import typing
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfdist import _tf_compat
 from tfdist import compression as compression_lib
 from tfdist.compression.base import sum_payload_bytes
 from tfdist.compression.exchange import compression_logs
+from tfdist.ps import placement
 from tfdist.ps import protocol
 from tfdist.ps.client import RunError
 from tfdist.ps.client import ShardClient
@@ -87,6 +90,34 @@ def check_optimizer(optimizer, mode, strategy_name):
             f"{strategy_name}: each push is one update on the ps. For a larger "
             "effective batch use a larger batch per worker, or aggregate more workers per "
             "update (`replicas_to_aggregate`)")
+    iterations = getattr(getattr(inner, "_iterations", None), "_value", None)
+    if mode == GRADIENTS and iterations is not None and not isinstance(iterations,
+                                                                       MirrorVariable):
+        raise ValueError(
+            f"the optimizer {type(inner).__name__} was created outside the scope of "
+            f"{strategy_name}: its step counter and slots would stay with each worker instead "
+            "of living on the ps tasks (and in the chief's checkpoints). Create it, and "
+            "compile the model, inside `with strategy.scope():`")
+
+
+class _Part(typing.NamedTuple):
+    """The rows of a mirror that one ps task holds (`rows` None: the whole variable)."""
+
+    variable: MirrorVariable
+    rows: tuple = None
+
+    @property
+    def shape(self):
+        shape = self.variable.shape.as_list()
+        if self.rows is not None:
+            shape[0] = self.rows[1] - self.rows[0]
+        return shape
+
+    def take(self, tensor):
+        """This part of `tensor`, a value (or gradient) of the whole variable."""
+        if self.rows is None:
+            return tensor
+        return tf.convert_to_tensor(tensor)[self.rows[0]:self.rows[1]]
 
 
 class _Step:
@@ -107,14 +138,16 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
       make_policy: `num_workers -> policy`.
       mode: `"gradients"` (a push per step) or `"averaging"` (the model every `period`).
       period, average_optimizer_state: model averaging's settings.
-      cluster, init_timeout, connect_timeout, inter_op_threads, compression: as documented
-        on `SoftSyncStrategy`.
+      cluster, init_timeout, connect_timeout, inter_op_threads, compression,
+        variable_partitioner: as documented on `SoftSyncStrategy`.
     """
 
     def __init__(self, container_strategy, make_policy, cluster=None, init_timeout=60.0,
                  connect_timeout=30.0, inter_op_threads=1, compression=None,
-                 mode=GRADIENTS, period=1, average_optimizer_state=False):
+                 mode=GRADIENTS, period=1, average_optimizer_state=False,
+                 variable_partitioner=placement.AUTO):
         compressor = push_compressor(compression)
+        partitioner = placement.check_partitioner(variable_partitioner)
         for name, value in (("init_timeout", init_timeout),
                             ("connect_timeout", connect_timeout)):
             _check_positive(name, value)
@@ -130,6 +163,8 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         self._average_optimizer_state = average_optimizer_state
         self._init_timeout = init_timeout
         self._compressor = compressor
+        self._partitioner = partitioner
+        self._placement = None
         self._mirrors = []
         self._paths = {}
         self._tls = threading.local()
@@ -188,25 +223,21 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         if role is None:
             return super()._create_variable(next_creator, **kwargs)
         colocate_with = kwargs.pop("colocate_with", None)
-        everywhere = False
-        if isinstance(colocate_with, MirrorVariable):
-            index = colocate_with._tfdist_ps_index
-        elif role == protocol.OPTIMIZER:
-            # The optimizer's own variables (its step counter, learning rate): a copy on
-            # every ps task, each task's optimizer uses its own; worker 0 initialises them
-            # all, checkpoints read ps task 0's, its writes (a callback's new learning
-            # rate) go to all.
-            index, everywhere = 0, True
-        else:
-            index = self._connection.place(initial_value.shape, initial_value.dtype)
         path = _tf_compat.keras_variable_path((kwargs.get("name") or "Variable").split(":")[0])
         count = self._paths.get(path, 0)
         self._paths[path] = count + 1
         if count:
             path = f"{path}#{count}"
         with tf.init_scope(), tf.device(self._device):
-            variable = MirrorVariable.create(path, index, role, **kwargs)
-        variable._tfdist_everywhere = everywhere
+            variable = MirrorVariable.create(path, role, **kwargs)
+        # Placed when the run starts (`tfdist.ps.placement`), once the optimizer is known.
+        variable._tfdist_colocate = (colocate_with._tfdist_path
+                                     if isinstance(colocate_with, MirrorVariable) else None)
+        # The optimizer's own variables (its step counter, learning rate): a copy on every
+        # ps task, each task's optimizer uses its own; worker 0 initialises them all,
+        # checkpoints read ps task 0's, its writes (a callback's new learning rate) go to all.
+        variable._tfdist_everywhere = (role == protocol.OPTIMIZER
+                                       and variable._tfdist_colocate is None)
         self._mirrors.append(variable)
         return variable
 
@@ -276,26 +307,29 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         if self._clients is not None:
             return
         pushed = {id(v) for v in pushed_variables}
-        entries = [[] for _ in range(self._connection.num_ps)]
-        self._shards = [[] for _ in range(self._connection.num_ps)]
+        num_ps = self._connection.num_ps
+        options = {}
+        for variable in self._mirrors:
+            if variable._tfdist_role == protocol.GRADIENT and id(variable) not in pushed:
+                variable._tfdist_role = protocol.VALUE  # trainable, but no gradient reaches it
+            if variable._tfdist_role == protocol.GRADIENT and self._mode == GRADIENTS:
+                options[id(variable)] = self._update_options(variable)
+        self._placement = self._plan(options)
+        entries = [[] for _ in range(num_ps)]
+        self._shards = [[] for _ in range(num_ps)]
         for variable in self._mirrors:
             role = variable._tfdist_role
-            if role == protocol.GRADIENT and id(variable) not in pushed:
-                role = protocol.VALUE  # trainable, but no gradient reaches it
-                variable._tfdist_role = role
             entry = {"path": variable._tfdist_path, "shape": variable.shape.as_list(),
-                     "dtype": variable.dtype.name, "role": role}
-            if role == protocol.GRADIENT and self._mode == GRADIENTS:
-                entry.update(self._update_options(variable))
-            for shard in (range(len(entries)) if variable._tfdist_everywhere
-                          else [variable._tfdist_ps_index]):
-                entries[shard].append(entry)
-            if role in protocol.PUSHED_ROLES:
-                self._shards[variable._tfdist_ps_index].append(variable)
-        for variables in self._shards:
+                     "dtype": variable.dtype.name, "role": role, **options.get(id(variable), {})}
+            for shard, rows in self._placement[variable._tfdist_path]:
+                part = _Part(variable, rows)
+                entries[shard].append({**entry, "shape": part.shape})
+                if role in protocol.PUSHED_ROLES:
+                    self._shards[shard].append(part)
+        for parts in self._shards:
             order = {protocol.GRADIENT: 0, protocol.AVERAGE: 0, protocol.VALUE: 1}
-            variables.sort(key=lambda v: order[v._tfdist_role])
-        clients = [ShardClient(self._connection, s) for s in range(self._connection.num_ps)]
+            parts.sort(key=lambda p: order[p.variable._tfdist_role])
+        clients = [ShardClient(self._connection, s) for s in range(num_ps)]
         answers = []
         with tf.init_scope():
             for shard, client in enumerate(clients):
@@ -304,19 +338,22 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             if any(a["initialize"] for a in answers):
                 log.info("tfdist: %s initialises the run's master variables",
                          self._connection.task_name)
-            for client, answer in zip(clients, answers):
-                for variable in self._mirrors:
-                    master = client.masters.get(variable._tfdist_path)
-                    if master is None:
-                        continue
-                    if answer["initialize"]:
-                        master.assign(variable.read_value(), read_value=False)
-                    variable.bind(master)
-                    if not self._connection.is_chief:
-                        # Every worker runs the user's callbacks; only the chief's eager
-                        # writes reach the masters (a learning rate halved once, not once
-                        # per worker; one worker's best weights restored, not each one's).
-                        variable.follow()
+            mirrors = {v._tfdist_path: v for v in self._mirrors}
+            for shard, (client, answer) in enumerate(zip(clients, answers)):
+                for path, places in self._placement.items():
+                    variable = mirrors[path]
+                    for rows in (rows for s, rows in places if s == shard):
+                        master = client.masters[path]
+                        if answer["initialize"]:
+                            master.assign(_Part(variable, rows).take(variable.read_value()),
+                                          read_value=False)
+                        variable.bind(master, rows)
+                        if not self._connection.is_chief:
+                            # Every worker runs the user's callbacks; only the chief's eager
+                            # writes reach the masters (a learning rate halved once, not
+                            # once per worker; one worker's best weights restored, not
+                            # each one's).
+                            variable.follow()
             self._clients = clients
             self._layouts = [protocol.ShardLayout(e) for e in entries]
             dtypes = (self._compressor.payload_dtypes(tf.float32) if self._compressor
@@ -325,6 +362,47 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                 client.open_push_queue(dtypes)
             self._residuals = [None] * len(clients)
             self._pull()
+
+    def _plan(self, options):
+        """`{path: [(ps_index, rows)]}`: where each mirror's master parts live."""
+        partitioner = self._partitioner
+        elementwise = self._mode == AVERAGING or placement.elementwise_optimizer(
+            self._optimizer)
+        if not elementwise and partitioner not in (None, placement.AUTO):
+            inner = getattr(self._optimizer, "inner_optimizer", self._optimizer)
+            raise ValueError(
+                f"`variable_partitioner` splits variables over ps tasks, which is exact only "
+                f"for an optimizer whose update is elementwise "
+                f"({sorted(placement.ELEMENTWISE_OPTIMIZERS)}); the model trains with "
+                f"{type(inner).__name__}. Pass `variable_partitioner=None`")
+        items = []
+        for variable in self._mirrors:
+            constraint = options.get(id(variable), {}).get("constraint")
+            splittable = elementwise and (
+                constraint is None or constraint.get("class_name") == "NonNeg")
+            items.append(placement.Item(
+                variable._tfdist_path, variable.shape.as_list(), variable.dtype,
+                splittable=splittable, everywhere=variable._tfdist_everywhere,
+                colocate_with=variable._tfdist_colocate))
+        return placement.plan(items, self._connection.num_ps, partitioner)
+
+    def placement(self):
+        """Where the masters live, per ps task: `task`, `variables` (`{path: rows}`, rows
+        `[begin, end]` of a part or None for the whole variable), `bytes_held` (with the
+        optimizer's slots) and `bytes_pushed` (what one push of a worker carries there)."""
+        if self._clients is None:
+            raise ValueError("the masters are placed when the first training step starts")
+        out = [{"task": name, "variables": {}, "bytes_held": 0, "bytes_pushed": 0}
+               for name in self._connection.ps_names]
+        mirrors = {v._tfdist_path: v for v in self._mirrors}
+        for path, places in self._placement.items():
+            for shard, rows in places:
+                part = _Part(mirrors[path], rows)
+                out[shard]["variables"][path] = None if rows is None else list(rows)
+                out[shard]["bytes_held"] += placement.nbytes(part.shape, part.variable.dtype)
+        for shard, layout in enumerate(self._layouts):
+            out[shard]["bytes_pushed"] = 4 * (layout.main_size + layout.value_size)
+        return out
 
     def _update_options(self, variable):
         """What the ps-side optimizer must know of a trained variable: its Keras constraint,
@@ -373,20 +451,30 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
     def _pull(self):
         """Takes the current master weights of every shard (eagerly)."""
         with tf.init_scope(), replica_step():
-            for shard, client in enumerate(self._clients):
-                token, stats, values = client.sync()
-                self._assign_reply(shard, token, stats, values)
+            self._assign_replies([client.sync() for client in self._clients])
 
-    def _assign_reply(self, shard, token, stats, values, set_tag=True):
-        main, rest = self._layouts[shard].split_reply(values)
-        updates = [v.assign(x, read_value=False)
-                   for v, x in zip(self._shards[shard], main + rest)]
-        if set_tag:
-            updates.append(self._tags.scatter_nd_update([[shard]], [token]))
-        if shard == 0:
-            updates.append(self._stats.assign(stats, read_value=False))
-        if self._compressor is not None and self._mode == AVERAGING:
-            updates.append(self._base(shard).assign(values[:self._layouts[shard].main_size]))
+    def _assign_replies(self, replies):
+        """Writes every shard's reply `(token, stats, values)` into the mirrors (the parts of
+        a split variable joined), the tags and the telemetry; returns the updates."""
+        updates, split = [], {}
+        for shard, (_, _, values) in enumerate(replies):
+            main, rest = self._layouts[shard].split_reply(values)
+            for part, value in zip(self._shards[shard], main + rest):
+                if part.rows is None:
+                    updates.append(part.variable.assign(value, read_value=False))
+                else:
+                    split.setdefault(id(part.variable), (part.variable, []))[1].append(
+                        (part.rows, value))
+            if self._compressor is not None and self._mode == AVERAGING:
+                updates.append(self._base(shard).assign(
+                    values[:self._layouts[shard].main_size]))
+        for variable, parts in split.values():
+            parts.sort(key=lambda p: p[0])
+            updates.append(variable.assign(tf.concat([v for _, v in parts], axis=0),
+                                           read_value=False))
+        updates.append(self._tags.assign(tf.stack([token for token, _, _ in replies]),
+                                         read_value=False))
+        updates.append(self._stats.assign(replies[0][1], read_value=False))
         return updates
 
     # Pushing -----------------------------------------------------------------------------
@@ -428,12 +516,13 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             log.warning("tfdist: the gradients of %s are sparse (embedding rows); a push "
                         "carries them dense, the whole variable each step", sparse)
         gradients = {id(v): g for v, g in step.recorded}
-        missing = [v._tfdist_path for s in self._shards for v in s
-                   if v._tfdist_role == protocol.GRADIENT and id(v) not in gradients]
+        missing = sorted({p.variable._tfdist_path for s in self._shards for p in s
+                          if p.variable._tfdist_role == protocol.GRADIENT
+                          and id(p.variable) not in gradients})
         if missing:
             raise ValueError(f"the train step pushed no gradient for {missing}, which an "
                              "earlier trace trained; every trace must train the same variables")
-        self._exchange(lambda v: gradients[id(v)])
+        self._exchange(lambda part: part.take(gradients[id(part.variable)]))
 
     def _exchange(self, main_tensor):
         """One push-and-receive per ps task, in parallel; the replies land in the mirrors."""
@@ -444,11 +533,11 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         replies = []
         for shard, client in enumerate(self._clients):
             layout = self._layouts[shard]
-            variables = self._shards[shard]
+            parts = self._shards[shard]
             main = protocol.ShardLayout.flatten(
-                [main_tensor(v) for v in variables[:len(layout.main)]])
+                [main_tensor(p) for p in parts[:len(layout.main)]])
             values = protocol.ShardLayout.flatten(
-                [v.read_value() for v in variables[len(layout.main):]])
+                [p.take(p.variable.read_value()) for p in parts[len(layout.main):]])
             tag = tags[shard]
             payload, state_updates = (main,), []
             if self._compressor is not None:
@@ -457,10 +546,7 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             # Shards do not wait for each other: their round trips overlap.
             with tf.control_dependencies(state_updates):
                 replies.append(client.push_and_receive(tag, payload, values))
-        for shard, (token, stats, reply) in enumerate(replies):
-            updates += self._assign_reply(shard, token, stats, reply, set_tag=False)
-        updates.append(self._tags.assign(tf.stack([token for token, _, _ in replies]),
-                                         read_value=False))
+        updates += self._assign_replies(replies)
         if sent:
             updates.append(self._bytes_sent.assign(sum_payload_bytes(sent)))
         return tf.group(updates)
@@ -501,23 +587,24 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
 
     def _average(self):
         """Pushes this worker's model (or its change), and takes the round's average."""
-        def model_part(variable):
-            return variable.read_value()
+        def model_part(part):
+            return part.take(part.variable.read_value())
 
         if self._compressor is None:
             done = self._exchange(model_part)
         else:
             offsets = {}
-            for shard, variables in enumerate(self._shards):
+            for shard, parts in enumerate(self._shards):
                 start = 0
-                for v in variables:
-                    offsets[id(v)] = (shard, start, v.shape.num_elements())
-                    start += v.shape.num_elements()
+                for part in parts:
+                    size = int(np.prod(part.shape))
+                    offsets[id(part)] = (shard, start, size)
+                    start += size
 
-            def change(variable):
-                shard, start, size = offsets[id(variable)]
+            def change(part):
+                shard, start, size = offsets[id(part)]
                 base = self._base(shard).read_value()[start:start + size]
-                return tf.reshape(tf.cast(variable.read_value(), tf.float32), [-1]) - base
+                return tf.reshape(tf.cast(model_part(part), tf.float32), [-1]) - base
 
             done = self._exchange(change)
         with tf.control_dependencies([done]):
@@ -577,8 +664,16 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             self._wait_for_others(timeout)
             self._take_masters()
         except (tf.errors.OpError, RunError) as e:
-            log.warning("tfdist: %s could not leave the run cleanly: %s",
-                        self._connection.task_name, e)
+            gone = self._connection.unreachable_ps()
+            if not gone:
+                log.warning("tfdist: %s could not leave the run cleanly: %s",
+                            self._connection.task_name, e)
+                return
+            log.error("tfdist: %s stopped answering: its shard of the master variables is "
+                      "gone, and no worker can train on without it (TensorFlow's "
+                      "UnavailableError above is that). Restart the job; the chief's last "
+                      "checkpoint holds the model",
+                      ", ".join(f"{name} at {address}" for name, address in gone))
 
     def _send_leave(self):
         for client in self._clients:
@@ -589,12 +684,10 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
 
     def _take_masters(self):
         with tf.init_scope(), replica_step():
-            for shard, client in enumerate(self._clients):
-                for variable in self._shards[shard]:
-                    variable.assign(client.masters[variable._tfdist_path].read_value(),
-                                    read_value=False)
-                if shard == 0:
-                    self._stats.assign(client.progress.read_value(), read_value=False)
+            variables = {id(p.variable): p.variable for parts in self._shards for p in parts}
+            for variable in variables.values():
+                variable.assign(variable.master_value(), read_value=False)
+            self._stats.assign(self._clients[0].progress.read_value(), read_value=False)
 
     def _wait_for_others(self, timeout):
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -680,6 +773,13 @@ class ParameterServerStrategyBase(tf.distribute.Strategy):
         """
         self.extended.leave(wait=self.is_chief, timeout=timeout)
 
+    def placement(self):
+        """Where the master variables live, once training has started: a list with, per ps
+        task, `task`, `variables` (`{path: [begin, end]}` for a part of a variable split
+        by rows, `{path: None}` for a whole one), `bytes_held` (with the optimizer's slots)
+        and `bytes_pushed` (what one push of a worker carries to that task)."""
+        return self.extended.placement()
+
     def progress(self):
         """The telemetry of ps task 0: global_step, dropped_gradients, aggregated_gradients,
         staleness_mean, staleness_max, staleness_histogram, max_clock_gap, and the workers
@@ -718,6 +818,17 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
         each worker encodes its gradient (keeping its own error-feedback residual) and each
         ps task decodes its shard. The logs then carry `bytes_sent`, `bytes_dense` and
         `compression_ratio`. Compressors that need all-reduce rounds (PowerSGD) are refused.
+      variable_partitioner: how large variables are split by rows over the ps tasks, so
+        that each task carries a fair share of the traffic and the updates: "auto" (the
+        default) splits a variable larger than 256 KiB, or than a quarter of one ps task's
+        fair share of the model, over as many tasks as keep parts above that size; a
+        `tf.distribute.experimental.partitioners.Partitioner` (e.g.
+        `FixedShardsPartitioner(2)`) decides per variable, along the first axis; None keeps
+        every variable whole. Splitting is exact for elementwise optimizers (SGD, Adam,
+        AdamW, RMSprop, ...); with another one (Lamb, Adafactor, a custom class) "auto"
+        keeps every variable whole and a partitioner is refused. A variable with a
+        constraint other than `NonNeg` stays whole. Checkpoints hold whole variables
+        either way. `strategy.placement()` tells where every part lives.
 
     Raises:
       ValueError: `replicas_to_aggregate` is not between 1 and the number of workers, the
@@ -726,11 +837,13 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
     """
 
     def __init__(self, replicas_to_aggregate=None, cluster=None, init_timeout=60.0,
-                 connect_timeout=30.0, inter_op_threads=1, compression=None):
+                 connect_timeout=30.0, inter_op_threads=1, compression=None,
+                 variable_partitioner="auto"):
         super().__init__(ParameterServerExtended(
             self, n_of_m_policy(SoftSyncPolicy, replicas_to_aggregate), cluster=cluster,
             init_timeout=init_timeout, connect_timeout=connect_timeout,
-            inter_op_threads=inter_op_threads, compression=compression))
+            inter_op_threads=inter_op_threads, compression=compression,
+            variable_partitioner=variable_partitioner))
 
     @property
     def replicas_to_aggregate(self):
@@ -767,18 +880,18 @@ class AsyncStrategy(ParameterServerStrategyBase):
         g + lambda * g * g * (w_now - w_read), where w_read are the weights the worker was
         sent with its last reply (kept per worker on each ps task).
       on_stale: "drop" or "wait", see `max_staleness`.
-      cluster, init_timeout, connect_timeout, inter_op_threads, compression: as for
-        `SoftSyncStrategy`.
+      cluster, init_timeout, connect_timeout, inter_op_threads, compression,
+        variable_partitioner: as for `SoftSyncStrategy`.
     """
 
     def __init__(self, staleness="none", max_staleness=None, delay_compensation=None,
                  on_stale="drop", cluster=None, init_timeout=60.0, connect_timeout=30.0,
-                 inter_op_threads=1, compression=None):
+                 inter_op_threads=1, compression=None, variable_partitioner="auto"):
         policy = AsyncPolicy(staleness, max_staleness, delay_compensation, on_stale)
         super().__init__(ParameterServerExtended(
             self, lambda total: policy, cluster=cluster, init_timeout=init_timeout,
             connect_timeout=connect_timeout, inter_op_threads=inter_op_threads,
-            compression=compression))
+            compression=compression, variable_partitioner=variable_partitioner))
 
     @property
     def policy(self):

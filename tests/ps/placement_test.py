@@ -1,0 +1,156 @@
+"""Placement of master variables on ps tasks: whole, or split by rows; mirrors of split masters."""
+
+import random
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.ps import placement
+from tfdist.ps.variables import MirrorVariable
+from tfdist.ps.variables import replica_step
+
+# The digits MLP of the benchmarks: 64 -> 64 -> 10.
+DIGITS = [("dense/kernel", [64, 64]), ("dense/bias", [64]), ("dense_1/kernel", [64, 10]),
+          ("dense_1/bias", [10])]
+
+
+def items(shapes=DIGITS, **kwargs):
+    return [placement.Item(key, shape, "float32", **kwargs) for key, shape in shapes]
+
+
+def bytes_per_task(plan, by_key, num_ps):
+    held = [0] * num_ps
+    for key, places in plan.items():
+        item = by_key[key]
+        for task, rows in places:
+            held[task] += item.bytes if rows is None else (
+                item.bytes * (rows[1] - rows[0]) // item.shape[0])
+    return held
+
+
+class PlanTest(tf.test.TestCase):
+
+    def test_row_splits_are_contiguous_and_even(self):
+        self.assertEqual(placement.row_splits(8, 3), [(0, 3), (3, 6), (6, 8)])
+        self.assertEqual(placement.row_splits(4, 2), [(0, 2), (2, 4)])
+
+    def test_auto_gives_each_of_two_ps_tasks_about_half_the_digits_model(self):
+        model = items()
+        plan = placement.plan(model, 2)
+        held = bytes_per_task(plan, {i.key: i for i in model}, 2)
+        self.assertEqual(sum(held), 4 * 4810)
+        self.assertAllInRange(np.array(held) / sum(held), 0.45, 0.55)
+        self.assertEqual(plan["dense/kernel"], [(0, (0, 32)), (1, (32, 64))])
+        # Whole, without splitting: the large kernel alone holds 85 % of the model.
+        whole = bytes_per_task(placement.plan(model, 2, None), {i.key: i for i in model}, 2)
+        self.assertEqual(max(whole), 4 * 64 * 64)
+
+    def test_every_variable_is_covered_once_with_parts_on_distinct_tasks(self):
+        shapes = [(f"layer{i}/kernel", [random.Random(i).randint(1, 300), 7]) for i in range(30)]
+        for num_ps in (1, 2, 3, 5):
+            plan = placement.plan(items(shapes), num_ps)
+            for key, shape in shapes:
+                places = plan[key]
+                tasks = [t for t, _ in places]
+                self.assertEqual(len(set(tasks)), len(tasks))
+                self.assertTrue(all(0 <= t < num_ps for t in tasks))
+                if places[0][1] is None:
+                    self.assertLen(places, 1)
+                    continue
+                rows = [r for _, r in places]
+                self.assertEqual(rows, placement.row_splits(shape[0], len(rows)))
+
+    def test_same_plan_whatever_the_creation_order_of_independent_variables(self):
+        model = items()
+        shuffled = list(model)
+        random.Random(3).shuffle(shuffled)
+        self.assertEqual(placement.plan(model, 3), placement.plan(shuffled, 3))
+
+    def test_slots_follow_their_variable_and_counters_are_everywhere(self):
+        model = items() + [
+            placement.Item("adam/dense_kernel_momentum", [64, 64], "float32",
+                           colocate_with="dense/kernel"),
+            placement.Item("adafactor/dense_kernel_r", [64], "float32",
+                           colocate_with="dense/kernel"),
+            placement.Item("adam/iteration", [], "int64", everywhere=True)]
+        plan = placement.plan(model, 2)
+        self.assertEqual(plan["adam/dense_kernel_momentum"], plan["dense/kernel"])
+        # A slot of another shape cannot be split like its variable: whole, with its first part.
+        self.assertEqual(plan["adafactor/dense_kernel_r"], [(plan["dense/kernel"][0][0], None)])
+        self.assertEqual(plan["adam/iteration"], [(0, None), (1, None)])
+
+    def test_unsplittable_and_tiny_variables_stay_whole(self):
+        plan = placement.plan(items(splittable=False), 4)
+        self.assertTrue(all(places[0][1] is None and len(places) == 1
+                            for places in plan.values()))
+        plan = placement.plan(items([("one_row", [1, 4096]), ("scalar", [])]), 2)
+        self.assertEqual(plan["one_row"], [(0, None)])
+
+    def test_a_partitioner_is_capped_at_the_ps_tasks_and_splits_rows_only(self):
+        partitioners = tf.distribute.experimental.partitioners
+        plan = placement.plan(items(), 2, partitioners.FixedShardsPartitioner(3))
+        self.assertEqual(plan["dense_1/bias"], [(0, (0, 5)), (1, (5, 10))])
+        with self.assertRaisesRegex(ValueError, r"dense/kernel .*first axis only"):
+            placement.plan(items(), 2, lambda shape, dtype: [1, 2])
+        with self.assertRaisesRegex(ValueError, r"`variable_partitioner` must be None.*"
+                                                r"Received: 'even'"):
+            placement.check_partitioner("even")
+
+    def test_elementwise_optimizers(self):
+        self.assertTrue(placement.elementwise_optimizer(keras.optimizers.Adam()))
+        self.assertTrue(placement.elementwise_optimizer(
+            keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())))
+        self.assertFalse(placement.elementwise_optimizer(keras.optimizers.Lamb()))
+        self.assertFalse(placement.elementwise_optimizer(keras.optimizers.Adafactor()))
+
+
+class SplitMirrorTest(tf.test.TestCase):
+    """A mirror whose master is split in parts (plain local variables stand for the ps)."""
+
+    def _mirror(self):
+        mirror = MirrorVariable.create("dense/kernel", "gradient",
+                                       initial_value=tf.zeros([4, 3]))
+        parts = [tf.Variable(tf.zeros([2, 3])), tf.Variable(tf.zeros([2, 3]))]
+        mirror.bind(parts[1], (2, 4))  # bound in any order, read in row order
+        mirror.bind(parts[0], (0, 2))
+        return mirror, parts
+
+    def test_reads_join_the_parts_and_writes_split_them(self):
+        mirror, parts = self._mirror()
+        value = np.arange(12, dtype=np.float32).reshape(4, 3)
+        mirror.assign(value)
+        self.assertAllEqual(parts[0], value[:2])
+        self.assertAllEqual(parts[1], value[2:])
+        parts[1].assign_add(tf.ones([2, 3]))  # the ps updates a part
+        self.assertAllEqual(mirror.numpy(), np.concatenate([value[:2], value[2:] + 1]))
+        mirror.assign_sub(tf.ones([4, 3]))
+        self.assertAllEqual(parts[0], value[:2] - 1)
+        self.assertAllEqual(parts[1], value[2:])
+        mirror.scatter_update(tf.IndexedSlices(tf.fill([1, 3], 7.0), tf.constant([3])))
+        self.assertAllEqual(parts[1][1], [7.0, 7.0, 7.0])
+        self.assertAllEqual(parts[0], value[:2] - 1)
+
+    def test_inside_a_step_the_mirror_is_local_and_a_follower_never_writes(self):
+        mirror, parts = self._mirror()
+        with replica_step():
+            mirror.assign(tf.ones([4, 3]))
+            self.assertAllEqual(mirror.read_value(), tf.ones([4, 3]))
+        self.assertAllEqual(parts[0], tf.zeros([2, 3]))
+        self.assertAllEqual(mirror.numpy(), tf.zeros([4, 3]))
+        mirror.follow()
+        mirror.assign(tf.ones([4, 3]))
+        self.assertAllEqual(parts[0], tf.zeros([2, 3]))
+
+    def test_whole_masters_after_the_first_are_copies(self):
+        mirror = MirrorVariable.create("adam/learning_rate", "optimizer", initial_value=0.1)
+        first, copy = tf.Variable(0.5), tf.Variable(0.25)
+        mirror.bind(first)
+        mirror.bind(copy)
+        self.assertAllClose(mirror.numpy(), 0.5)
+        mirror.assign_add(0.25)
+        self.assertAllClose([first.numpy(), copy.numpy()], [0.75, 0.75])
+
+
+if __name__ == "__main__":
+    tf.test.main()
