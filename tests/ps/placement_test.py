@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.ps import placement
+from tfdist.ps import protocol
 from tfdist.ps.variables import MirrorVariable
 from tfdist.ps.variables import replica_step
 
@@ -86,6 +87,9 @@ class PlanTest(tf.test.TestCase):
                             for places in plan.values()))
         plan = placement.plan(items([("one_row", [1, 4096]), ("scalar", [])]), 2)
         self.assertEqual(plan["one_row"], [(0, None)])
+        # "auto" never makes parts below 256 bytes: eight 4-float biases on 8 ps stay whole.
+        plan = placement.plan(items([(f"b{i}", [4]) for i in range(8)]), 8)
+        self.assertTrue(all(len(places) == 1 for places in plan.values()))
 
     def test_a_partitioner_is_capped_at_the_ps_tasks_and_splits_rows_only(self):
         partitioners = tf.distribute.experimental.partitioners
@@ -96,6 +100,22 @@ class PlanTest(tf.test.TestCase):
         with self.assertRaisesRegex(ValueError, r"`variable_partitioner` must be None.*"
                                                 r"Received: 'even'"):
             placement.check_partitioner("even")
+        with self.assertRaisesRegex(ValueError, r"`variable_partitioner` must be"):
+            placement.check_partitioner(partitioners.FixedShardsPartitioner)  # not an instance
+
+    def test_specs_that_place_a_variable_differently_do_not_fit(self):
+        entry = {"path": "dense/kernel", "shape": [32, 64], "dtype": "float32",
+                 "role": "gradient", "rows": [0, 32]}
+        bias = {"path": "dense/bias", "shape": [64], "dtype": "float32", "role": "gradient",
+                "rows": None}
+        run = {"variables": [entry, bias]}
+        self.assertIsNone(protocol.compare_specs(run, {"variables": [entry, bias]}))
+        moved = {**entry, "rows": [32, 64]}
+        self.assertRegex(protocol.compare_specs(run, {"variables": [moved, bias]}),
+                         r"'dense/kernel' has rows \[32, 64\], in the run \[0, 32\] "
+                         r"\(the same `variable_partitioner`")
+        self.assertRegex(protocol.compare_specs(run, {"variables": [bias, entry]}),
+                         "in another order")
 
     def test_elementwise_optimizers(self):
         self.assertTrue(placement.elementwise_optimizer(keras.optimizers.Adam()))

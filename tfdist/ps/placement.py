@@ -20,6 +20,8 @@ AUTO = "auto"
 # "auto" splits a variable larger than this, or than a quarter of a ps task's fair share of
 # the model (so that small models spread too): TF's recommended minimum shard size.
 AUTO_MIN_SHARD_BYTES = 256 << 10
+# ... but never into parts smaller than this: below it a split adds ops and balances nothing.
+AUTO_FLOOR_BYTES = 256
 
 # Keras optimizers whose update of an element reads only that element's gradient and state.
 ELEMENTWISE_OPTIMIZERS = frozenset({
@@ -30,7 +32,7 @@ def check_partitioner(variable_partitioner):
     """Validates a strategy's `variable_partitioner` argument."""
     if variable_partitioner is None or variable_partitioner == AUTO:
         return variable_partitioner
-    if callable(variable_partitioner):
+    if callable(variable_partitioner) and not isinstance(variable_partitioner, type):
         return variable_partitioner
     raise ValueError(
         "`variable_partitioner` must be None (every variable whole), 'auto', or a "
@@ -115,7 +117,8 @@ def plan(items, num_ps, partitioner=AUTO):
     by_key = {item.key: item for item in items}
     independent = [i for i in items if not i.everywhere and i.colocate_with is None]
     total = sum(i.bytes for i in independent)
-    threshold = min(AUTO_MIN_SHARD_BYTES, max(1, total // (4 * max(num_ps, 1))))
+    threshold = min(AUTO_MIN_SHARD_BYTES,
+                    max(AUTO_FLOOR_BYTES, total // (4 * max(num_ps, 1))))
     held = [0] * num_ps
     placed = {}
     for item in sorted(independent, key=lambda i: (-i.bytes, i.key)):

@@ -187,8 +187,13 @@ def compare_specs(run_spec, spec):
             return f"it has variable {path!r}, which the run does not"
         if path not in mine:
             return f"the run has variable {path!r}, which it does not"
-        for field in ("shape", "dtype", "role"):
-            if mine[path][field] != theirs[path][field]:
-                return (f"variable {path!r} has {field} {mine[path][field]!r}, in the run "
+        for field in ("shape", "dtype", "role", "rows"):
+            if mine[path].get(field) != theirs[path].get(field):
+                return (f"variable {path!r} has {field} {mine[path].get(field)!r}, in the run "
+                        f"{theirs[path].get(field)!r} (the same `variable_partitioner` "
+                        "everywhere?)" if field == "rows" else
+                        f"variable {path!r} has {field} {mine[path][field]!r}, in the run "
                         f"{theirs[path][field]!r}")
+    if [e["path"] for e in spec["variables"]] != [e["path"] for e in run_spec["variables"]]:
+        return "it created the same variables in another order"
     return None

@@ -64,6 +64,15 @@ def is_initialized(variable):
         return bool(tf.raw_ops.VarIsInitializedOp(resource=variable.handle).numpy())
 
 
+def _rows_of(sparse_delta, rows):
+    """The rows `[begin, end)` of an `IndexedSlices` update, indexed from `begin`."""
+    begin, end = rows
+    indices = sparse_delta.indices
+    keep = tf.logical_and(indices >= begin, indices < end)
+    return tf.IndexedSlices(tf.boolean_mask(sparse_delta.values, keep),
+                            tf.boolean_mask(indices, keep) - tf.cast(begin, indices.dtype))
+
+
 _MIRROR_ARGS = ("initial_value", "trainable", "name", "dtype", "constraint",
                 "distribute_strategy", "synchronization", "aggregation", "shape")
 
@@ -119,12 +128,9 @@ class MirrorVariable(_tf_compat.ResourceVariable):
             return self._tfdist_masters[0][0].read_value()
         return tf.concat([master.read_value() for master, _ in self._tfdist_masters], axis=0)
 
-    def _set_masters(self, value, parts=True):
-        """Writes `value` to every master part (unless `parts` is False), every copy and
-        this variable."""
-        value = tf.convert_to_tensor(value, dtype=self.dtype)
-        for master, rows in self._tfdist_masters if parts else ():
-            master.assign(value if rows is None else value[rows[0]:rows[1]], read_value=False)
+    def _refresh(self):
+        """After a write to the masters: the copies and this variable take their value."""
+        value = self.master_value()
         for copy in self._tfdist_copies:
             copy.assign(value, read_value=False)
         super().assign(value, read_value=False)
@@ -141,16 +147,12 @@ class MirrorVariable(_tf_compat.ResourceVariable):
             return getattr(super(), method)(value, **kwargs)
         if not self._tfdist_writable:
             return self
-        if len(self._tfdist_masters) == 1:
-            # One whole master: its own (atomic) op.
-            master = self._tfdist_masters[0][0]
-            getattr(master, method)(value, read_value=False)
-            return self._set_masters(master.read_value(), parts=False)
         value = tf.convert_to_tensor(value, dtype=self.dtype)
-        if method != "assign":
-            current = self.master_value()
-            value = current + value if method == "assign_add" else current - value
-        return self._set_masters(value)
+        for master, rows in self._tfdist_masters:
+            # Each part's own op on its ps task: an add there is atomic against the updater.
+            getattr(master, method)(value if rows is None else value[rows[0]:rows[1]],
+                                    read_value=False)
+        return self._refresh()
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         return self._write("assign", value, use_locking=use_locking, name=name,
@@ -169,10 +171,10 @@ class MirrorVariable(_tf_compat.ResourceVariable):
             return getattr(super(), method)(sparse_delta, use_locking=use_locking, name=name)
         if not self._tfdist_writable:
             return self
-        super().assign(self.master_value(), read_value=False)
-        getattr(super(), method)(sparse_delta, use_locking=use_locking, name=name)
-        return self._set_masters(tf.raw_ops.ReadVariableOp(resource=self.handle,
-                                                           dtype=self.dtype))
+        for master, rows in self._tfdist_masters:
+            delta = sparse_delta if rows is None else _rows_of(sparse_delta, rows)
+            getattr(master, method)(delta, use_locking=use_locking, name=name)
+        return self._refresh()
 
     def scatter_update(self, sparse_delta, use_locking=False, name=None):
         return self._scatter("scatter_update", sparse_delta, use_locking, name)

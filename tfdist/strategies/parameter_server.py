@@ -323,7 +323,8 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                      "dtype": variable.dtype.name, "role": role, **options.get(id(variable), {})}
             for shard, rows in self._placement[variable._tfdist_path]:
                 part = _Part(variable, rows)
-                entries[shard].append({**entry, "shape": part.shape})
+                entries[shard].append({**entry, "shape": part.shape,
+                                       "rows": None if rows is None else list(rows)})
                 if role in protocol.PUSHED_ROLES:
                     self._shards[shard].append(part)
         for parts in self._shards:
@@ -339,13 +340,16 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                 log.info("tfdist: %s initialises the run's master variables",
                          self._connection.task_name)
             mirrors = {v._tfdist_path: v for v in self._mirrors}
+            with replica_step():  # the chief's own values, read before any is bound
+                initial = ({path: v.read_value() for path, v in mirrors.items()}
+                           if any(a["initialize"] for a in answers) else {})
             for shard, (client, answer) in enumerate(zip(clients, answers)):
                 for path, places in self._placement.items():
                     variable = mirrors[path]
                     for rows in (rows for s, rows in places if s == shard):
                         master = client.masters[path]
                         if answer["initialize"]:
-                            master.assign(_Part(variable, rows).take(variable.read_value()),
+                            master.assign(_Part(variable, rows).take(initial[path]),
                                           read_value=False)
                         variable.bind(master, rows)
                         if not self._connection.is_chief:
@@ -515,7 +519,9 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             self._warned_sparse = True
             log.warning("tfdist: the gradients of %s are sparse (embedding rows); a push "
                         "carries them dense, the whole variable each step", sparse)
-        gradients = {id(v): g for v, g in step.recorded}
+        # A sparse gradient made dense once, not once per part of a split variable.
+        gradients = {id(v): tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                     for v, g in step.recorded}
         missing = sorted({p.variable._tfdist_path for s in self._shards for p in s
                           if p.variable._tfdist_role == protocol.GRADIENT
                           and id(p.variable) not in gradients})
@@ -777,7 +783,8 @@ class ParameterServerStrategyBase(tf.distribute.Strategy):
         """Where the master variables live, once training has started: a list with, per ps
         task, `task`, `variables` (`{path: [begin, end]}` for a part of a variable split
         by rows, `{path: None}` for a whole one), `bytes_held` (with the optimizer's slots)
-        and `bytes_pushed` (what one push of a worker carries to that task)."""
+        and `bytes_pushed` (what one push of a worker carries to that task, uncompressed;
+        model averaging pushes every `period` steps)."""
         return self.extended.placement()
 
     def progress(self):
@@ -821,12 +828,14 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
       variable_partitioner: how large variables are split by rows over the ps tasks, so
         that each task carries a fair share of the traffic and the updates: "auto" (the
         default) splits a variable larger than 256 KiB, or than a quarter of one ps task's
-        fair share of the model, over as many tasks as keep parts above that size; a
+        fair share of the model (and than 256 bytes), into parts of about that size or
+        less, one part per ps task at most; a
         `tf.distribute.experimental.partitioners.Partitioner` (e.g.
         `FixedShardsPartitioner(2)`) decides per variable, along the first axis; None keeps
         every variable whole. Splitting is exact for elementwise optimizers (SGD, Adam,
         AdamW, RMSprop, ...); with another one (Lamb, Adafactor, a custom class) "auto"
-        keeps every variable whole and a partitioner is refused. A variable with a
+        keeps every variable whole and a partitioner is refused at the first training step
+        (when the optimizer is known). A variable with a
         constraint other than `NonNeg` stays whole. Checkpoints hold whole variables
         either way. `strategy.placement()` tells where every part lives.
 
