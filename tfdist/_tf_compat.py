@@ -53,6 +53,32 @@ def keras_optimizer_in_scope():
     return None
 
 
+def keras_gradient_all_reduce(strategy):
+    """The variables whose gradients a Keras optimizer of `strategy` is all-reducing right
+    now (in the order of the gradients), or None.
+
+    Keras 3's TF optimizer sums the gradients in `_all_reduce_sum_gradients`, through the
+    replica context, just after it pairs them with their variables
+    (`filtered_grads_and_vars`); under MirroredStrategy the replicas run in threads of their
+    own and the sum in the caller's thread, so the frame is found on the stack of any thread
+    (a replica waiting for the sum). Keras offers no public hook for it.
+    """
+    import sys
+
+    import keras
+
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            if frame.f_code.co_name == "_all_reduce_sum_gradients":
+                optimizer = frame.f_locals.get("self")
+                pairs = frame.f_locals.get("filtered_grads_and_vars")
+                if (isinstance(optimizer, keras.optimizers.Optimizer) and pairs is not None
+                        and getattr(optimizer, "_distribution_strategy", None) is strategy):
+                    return [variable for _, variable in pairs]
+            frame = frame.f_back
+    return None
+
+
 def keras_variable_path(name):
     """The Keras path (`model/layer/kernel`) of the variable whose TF storage is being made.
 

@@ -45,13 +45,21 @@ class Compressor:
     and `_decompress_sum` (several payloads decoded and summed) with cheaper computations of
     the same values.
 
+    Args (of every compressor):
+      error_feedback: whether `encode` adds the residual of earlier steps and keeps the new
+        one (default: on for lossy compressors).
+      min_size: gradients with fewer elements (biases, normalisation scales) are sent as
+        they are, uncompressed (default 0: every one is compressed).
+      exclude: gradients of variables whose path contains one of these strings (e.g.
+        `["bias", "embedding"]`) are sent uncompressed.
+
     Attributes:
       linear: payloads of several replicas can be summed, then decoded once (all-reduce).
       elementwise: the compressor treats a tensor as a flat vector, so the exchange may fuse
-        all gradients of one dtype into one vector first (global top-k, one collective).
+        gradients of one dtype into one vector first (one top-k over them).
+      per_tensor: the compressor's scale or selection must be each gradient's own (a
+        quantiser's norm, DGC's per-layer top-k): the exchange never fuses gradients.
       lossy: decoding does not give back the input exactly.
-      error_feedback: whether `encode` adds the residual of earlier steps and keeps the new
-        one (default: on for lossy compressors).
     """
 
     name = None
@@ -60,15 +68,33 @@ class Compressor:
     lossy = True
     variable_size = False  # the payload's size follows the data
     own_memory = False  # the compressor keeps its own residual (DGC's accumulation)
+    per_tensor = False
 
-    def __init__(self, error_feedback=None):
+    def __init__(self, error_feedback=None, min_size=0, exclude=()):
         if error_feedback is None:
             error_feedback = self.lossy
         if not isinstance(error_feedback, bool):
             raise ValueError(f"`error_feedback` must be True or False. Received: "
                              f"{error_feedback!r}")
+        if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
+            raise ValueError(f"`min_size` must be an integer >= 0 (elements). Received: "
+                             f"{min_size!r}")
+        if isinstance(exclude, str) or not all(isinstance(e, str) for e in exclude):
+            raise ValueError(f"`exclude` must be a list of strings (parts of variable paths). "
+                             f"Received: {exclude!r}")
         self.error_feedback = error_feedback
+        self.min_size = min_size
+        self.exclude = tuple(exclude)
         self.memory = ErrorFeedback()
+
+    def takes(self, path, shape, dtype):
+        """Whether the exchange compresses the gradient of variable `path` (else sends it as
+        it is): `compressible`, at least `min_size` elements, and not excluded by name."""
+        if not self.compressible(shape, dtype):
+            return False
+        if _num_elements(shape) < self.min_size:
+            return False
+        return not any(part in (path or "") for part in self.exclude)
 
     # What subclasses implement -----------------------------------------------------------
 
@@ -206,7 +232,8 @@ class Compressor:
     # Configuration -----------------------------------------------------------------------
 
     def get_config(self):
-        return {"error_feedback": self.error_feedback}
+        return {"error_feedback": self.error_feedback, "min_size": self.min_size,
+                "exclude": list(self.exclude)}
 
     @classmethod
     def from_config(cls, config):

@@ -1,12 +1,14 @@
 """Runs a compressor inside a strategy's gradient all-reduce.
 
 `GradientExchange.all_reduce` takes what Keras's optimizer hands the strategy (every
-gradient, one tensor per local replica), fuses the gradients an elementwise compressor can
-take into one vector per dtype (as Horovod's fusion buffer and PyTorch DDP's buckets do:
-one collective per step, and top-k over the whole model), compresses each replica's part with
-its own state (residuals and the like live in replica-local variables), exchanges the payloads
-through a `Communicator`, and returns the decoded sums. Gradients the compressor does not
-take (integers; for PowerSGD, vectors) are all-reduced as they are.
+gradient, one tensor per local replica, with its variable's name), codes each gradient alone
+(quantisers, DGC, PowerSGD: their scale is the tensor's own) or fuses those of one dtype into
+buckets (as Horovod's fusion buffer and PyTorch DDP's buckets do: top-k over a bucket),
+compresses each replica's part with its own state (residuals and the like live in
+replica-local float32 variables keyed by variable name), exchanges every payload of the step
+in one collective through a `Communicator`, and returns the decoded sums. Gradients the
+compressor does not take (integers, tensors under `min_size`, excluded names; for PowerSGD,
+vectors) are all-reduced as they are.
 
 `StrategyCommunicator` is the communicator over TF's own cross-device machinery: all-reduce
 through the strategy's uncompressed batch reduce (collective ops across workers), all-gather
@@ -67,13 +69,25 @@ class StrategyCommunicator(Communicator):
         self.num_replicas = strategy.num_replicas_in_sync
         self._batch_reduce = batch_reduce
         self._options = options
+        # What one replica receives on the wire for the calls so far (int64 tensors): a ring
+        # all-reduce of B bytes moves 2(N-1)/N * B through each replica, an all-gather
+        # (N-1) payloads of the largest replica's size (TF pads to it), and the sizes first
+        # when they vary. (Collectives' own message headers are not counted.)
+        self.wire = []
 
     def _per_replica(self, tensors):
         return _tf_compat.PerReplica(tuple(tensors))
 
+    def wire_bytes(self):
+        """Bytes one replica received on the wire for the calls so far (int64 tensor)."""
+        return tf.add_n(self.wire) if self.wire else tf.constant(0, tf.int64)
+
     def all_reduce(self, tensors):
         # One batch per dtype: TF's collective all-reduce packs a batch into one buffer.
         count = len(tensors[0])
+        n = self.num_replicas
+        payload = sum(t.shape.num_elements() * t.dtype.size for t in tensors[0])
+        self.wire.append(tf.constant(2 * (n - 1) * payload // n, tf.int64))
         by_dtype = {}
         for j in range(count):
             by_dtype.setdefault(tensors[0][j].dtype, []).append(j)
@@ -113,6 +127,13 @@ class StrategyCommunicator(Communicator):
         words = [[_num_words(n, d) for n, d in zip(row, dtypes)] for row in elements]
         totals = [sum(row) for row in words] if static else tf.stack(
             [tf.add_n(row) for row in words])
+        # TF gathers each call's shape (one int32 word) first, and pads to the largest.
+        others = self.num_replicas - 1
+        if static:
+            self.wire.append(tf.constant(4 * others * (max(totals) + 1), tf.int64))
+        else:
+            self.wire.append(4 * others * (tf.cast(tf.reduce_max(totals), tf.int64)
+                                           + count + 2))
         results = []
         for r in range(local):
             with tf.device(self.devices[r]):
@@ -160,36 +181,66 @@ class ReplicaStates:
 class GradientExchange:
     """A compressor's state and statistics for one strategy's gradient all-reduce.
 
+    Each gradient is compressed on its own when the compressor's scale or selection must be
+    its own (`per_tensor`: quantisers, DGC, PowerSGD); the others' gradients of one dtype are
+    fused into buckets of at most `bucket_bytes` (as Horovod's fusion buffer and PyTorch DDP's
+    buckets are), so that a top-k ranks across layers. Gradients the compressor does not take
+    (`Compressor.takes`: integers, tensors under `min_size`, excluded names) are all-reduced
+    exactly. Compressor state (residuals, PowerSGD's Q, DGC's velocity) is kept in float32
+    replica-local variables keyed by the variables' names, whatever the gradients' dtype.
+
     Args:
       compressor: a `tfdist.compression.Compressor`.
       strategy: the container strategy (replica-local state variables are made under it).
+      bucket_bytes: the largest fused bucket (float32 bytes; DDP's default 25 MiB).
     """
 
-    def __init__(self, compressor, strategy):
+    def __init__(self, compressor, strategy, bucket_bytes=25 << 20):
         self.compressor = compressor
         self.states = ReplicaStates(strategy)
+        self.bucket_bytes = bucket_bytes
         self._step = None
 
-    def all_reduce(self, gradients, communicator):
+    def _units(self, gradients, names):
+        """Lists of gradient indices compressed together, and the indices sent exactly."""
+        compressor = self.compressor
+        take = [i for i, g in enumerate(gradients)
+                if compressor.takes(names[i], g[0].shape, g[0].dtype)]
+        taken = set(take)
+        exact = [i for i in range(len(gradients)) if i not in taken]
+        if compressor.per_tensor or not compressor.elementwise:
+            return [[i] for i in take], exact
+        units, sizes = {}, {}
+        for i in take:
+            dtype = gradients[i][0].dtype
+            size = 4 * gradients[i][0].shape.num_elements()
+            buckets = units.setdefault(dtype, [[]])
+            if buckets[-1] and sizes.get(dtype, 0) + size > self.bucket_bytes:
+                buckets.append([])
+                sizes[dtype] = 0
+            buckets[-1].append(i)
+            sizes[dtype] = sizes.get(dtype, 0) + size
+        return [unit for buckets in units.values() for unit in buckets], exact
+
+    def all_reduce(self, gradients, communicator, names=None):
         """Sums `gradients[i][replica]` over every replica of the job.
+
+        Args:
+          gradients: per gradient, this process's replicas' tensors.
+          communicator: moves payloads.
+          names: per gradient, its variable's name (the key of its compressor state, and
+            what `exclude` matches); None: positions.
 
         Returns `(sums, stats)`: sums in the same layout, and `stats` with `bytes_sent`
         (one replica's payload bytes this step, int64 tensor) and `bytes_dense` (what the
         same gradients weigh uncompressed).
         """
         compressor = self.compressor
+        if names is None:
+            names = [f"gradient_{i}" for i in range(len(gradients))]
         replicas = range(len(communicator.devices))
         dense_bytes = sum(g[0].shape.num_elements() * g[0].dtype.size for g in gradients)
-        take = [i for i, g in enumerate(gradients)
-                if compressor.compressible(g[0].shape, g[0].dtype)]
-        passthrough = [i for i in range(len(gradients)) if i not in take]
-        if compressor.elementwise:
-            groups = {}
-            for i in take:
-                groups.setdefault(gradients[i][0].dtype, []).append(i)
-            units = list(groups.values())
-        else:
-            units = [[i] for i in take]
+        units, exact = self._units(gradients, names)
 
         # The step key: the same on every replica, so random choices agree without messages.
         if self._step is None:
@@ -202,16 +253,17 @@ class GradientExchange:
             fused = []
             for r in replicas:
                 with tf.device(communicator.devices[r]):
-                    if compressor.elementwise:
-                        fused.append(tf.concat([tf.reshape(gradients[i][r], [-1])
-                                                for i in unit], axis=0))
-                    else:
-                        fused.append(tf.convert_to_tensor(gradients[unit[0]][r]))
+                    # Compressed in float32 (state too): an fp16 model keeps its residuals.
+                    fused.append(tf.concat([tf.reshape(tf.cast(gradients[i][r], tf.float32),
+                                                       [-1]) for i in unit], axis=0)
+                                 if compressor.elementwise else
+                                 tf.cast(tf.convert_to_tensor(gradients[unit[0]][r]),
+                                         tf.float32))
             tensors.append(fused)
             first = fused[0]
-            unit_key = ("unit", tuple(unit), tuple(first.shape.as_list()), first.dtype.name)
+            unit_key = ("unit", tuple(names[i] for i in unit), tuple(first.shape.as_list()))
             unit_variables = self.states.get(
-                unit_key, lambda s=first.shape, d=first.dtype: compressor.initial_state(s, d))
+                unit_key, lambda s=first.shape: compressor.initial_state(s, tf.float32))
             variables.append(unit_variables)
             states.append([{name: tf.identity(v[r]) for name, v in unit_variables.items()}
                            for r in replicas])
@@ -230,32 +282,49 @@ class GradientExchange:
         for unit, unit_sums in zip(units, sums):
             for r in replicas:
                 with tf.device(communicator.devices[r]):
-                    if compressor.elementwise:
-                        sizes = [gradients[i][r].shape.num_elements() for i in unit]
-                        pieces = tf.split(tf.reshape(unit_sums[r], [-1]), sizes)
-                    else:
-                        pieces = [unit_sums[r]]
+                    sizes = [gradients[i][r].shape.num_elements() for i in unit]
+                    pieces = tf.split(tf.reshape(unit_sums[r], [-1]), sizes)
                     for i, piece in zip(unit, pieces):
-                        result[i][r] = tf.reshape(piece, gradients[i][r].shape)
-        passthrough_bytes = sum(gradients[i][0].shape.num_elements() * gradients[i][0].dtype.size
-                                for i in passthrough)
-        if passthrough:
-            reduced = communicator.all_reduce([[gradients[i][r] for i in passthrough]
+                        result[i][r] = tf.cast(tf.reshape(piece, gradients[i][r].shape),
+                                               gradients[i][r].dtype)
+        exact_bytes = sum(gradients[i][0].shape.num_elements() * gradients[i][0].dtype.size
+                          for i in exact)
+        if exact:
+            reduced = communicator.all_reduce([[gradients[i][r] for i in exact]
                                                for r in replicas])
-            for j, i in enumerate(passthrough):
+            for j, i in enumerate(exact):
                 for r in replicas:
                     result[i][r] = reduced[r][j]
         with tf.control_dependencies(updates):
             result = [[tf.identity(t) for t in row] for row in result]
-            bytes_sent = sent + passthrough_bytes
-        return result, {"bytes_sent": bytes_sent, "bytes_dense": tf.constant(
-            dense_bytes, tf.int64)}
+            bytes_sent = sent + exact_bytes
+        n = communicator.num_replicas
+        return result, {"bytes_sent": bytes_sent,
+                        "bytes_dense": tf.constant(dense_bytes, tf.int64),
+                        "bytes_on_wire": communicator.wire_bytes(),
+                        "bytes_on_wire_dense": tf.constant(2 * (n - 1) * dense_bytes // n,
+                                                           tf.int64)}
 
 
 def compression_logs(stats):
-    """Keras log entries for the exchange statistics of one step."""
+    """Keras log entries for the exchange statistics of one step.
+
+    `bytes_sent` is one replica's payload and `bytes_dense` the same gradients uncompressed.
+    With an all-reduce exchange, `bytes_on_wire` is what one replica received on the wire
+    for the exchange actually used, at the job's N; `compression_ratio` is then the dense
+    ring all-reduce's wire bytes at the same N over it (with one replica, or on the
+    parameter-server push path, payload against dense).
+    """
     sent = tf.cast(stats["bytes_sent"], tf.float32)
     dense = tf.cast(stats["bytes_dense"], tf.float32)
-    return {"bytes_sent": sent, "bytes_dense": dense,
+    logs = {"bytes_sent": sent, "bytes_dense": dense,
             "compression_ratio": tf.math.divide_no_nan(dense, sent)}
+    if "bytes_on_wire" in stats:
+        wire = tf.cast(stats["bytes_on_wire"], tf.float32)
+        wire_dense = tf.cast(stats["bytes_on_wire_dense"], tf.float32)
+        logs["bytes_on_wire"] = wire
+        logs["compression_ratio"] = tf.where(wire_dense > 0,
+                                             tf.math.divide_no_nan(wire_dense, wire),
+                                             logs["compression_ratio"])
+    return logs
 

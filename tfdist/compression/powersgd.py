@@ -45,8 +45,9 @@ class PowerSGDCompressor(Compressor):
     linear = True
     elementwise = False
 
-    def __init__(self, rank=1, min_compression_rate=2.0, seed=0, error_feedback=True):
-        super().__init__(error_feedback=error_feedback)
+    def __init__(self, rank=1, min_compression_rate=2.0, seed=0, error_feedback=True,
+                 **kwargs):
+        super().__init__(error_feedback=error_feedback, **kwargs)
         self.rank = check_positive_int("rank", rank)
         if isinstance(min_compression_rate, bool) or not isinstance(
                 min_compression_rate, (int, float)) or min_compression_rate < 1:

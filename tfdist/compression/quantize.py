@@ -97,8 +97,8 @@ class FP16Compressor(Compressor):
     linear = True
     wire_dtype = tf.float16
 
-    def __init__(self, error_feedback=False):
-        super().__init__(error_feedback=error_feedback)
+    def __init__(self, error_feedback=False, **kwargs):
+        super().__init__(error_feedback=error_feedback, **kwargs)
 
     def _compress(self, tensor, state, key):
         del state, key
@@ -132,6 +132,7 @@ class _SignBitsCompressor(Compressor, abc.ABC):
     """
 
     num_scales = 1
+    per_tensor = True  # the scales are each tensor's own
 
     @abc.abstractmethod
     def _scales(self, flat, positive):
@@ -215,9 +216,10 @@ class TernGradCompressor(Compressor):
     """
 
     name = "terngrad"
+    per_tensor = True  # the scale is each tensor's own max
 
-    def __init__(self, error_feedback=False):
-        super().__init__(error_feedback=error_feedback)
+    def __init__(self, error_feedback=False, **kwargs):
+        super().__init__(error_feedback=error_feedback, **kwargs)
 
     def _compress(self, tensor, state, key):
         del state, key
@@ -253,12 +255,13 @@ class QSGDCompressor(Compressor):
     """
 
     name = "qsgd"
+    per_tensor = True  # the norm is each tensor's own
 
-    def __init__(self, levels=127, error_feedback=False):
+    def __init__(self, levels=127, error_feedback=False, **kwargs):
         if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
             raise ValueError(f"`levels` must be an integer between 1 and 127 (int8 codes). "
                              f"Received: {levels!r}")
-        super().__init__(error_feedback=error_feedback)
+        super().__init__(error_feedback=error_feedback, **kwargs)
         self.levels = levels
 
     def _compress(self, tensor, state, key):

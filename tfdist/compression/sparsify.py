@@ -89,15 +89,20 @@ class TopKCompressor(Compressor):
     Args:
       ratio: fraction of the elements sent, in (0, 1].
       error_feedback: keep what was not sent and add it to the next gradient (default on).
+      per_tensor: select the top k of each gradient (every layer sends its share) instead
+        of over the fused gradients (the largest elements of the model, wherever they are).
 
     Payload: k values + k int32 indices, k = max(1, floor(ratio * n)).
     """
 
     name = "topk"
 
-    def __init__(self, ratio=0.01, error_feedback=True):
-        super().__init__(error_feedback=error_feedback)
+    def __init__(self, ratio=0.01, error_feedback=True, per_tensor=False, **kwargs):
+        super().__init__(error_feedback=error_feedback, **kwargs)
         self.ratio = check_fraction("ratio", ratio)
+        if not isinstance(per_tensor, bool):
+            raise ValueError(f"`per_tensor` must be True or False. Received: {per_tensor!r}")
+        self.per_tensor = per_tensor
 
     def _select(self, flat, state, key):
         del state, key
@@ -128,7 +133,7 @@ class TopKCompressor(Compressor):
         return k * (tf.as_dtype(dtype).size + 4)
 
     def get_config(self):
-        return {"ratio": self.ratio, **super().get_config()}
+        return {"ratio": self.ratio, "per_tensor": self.per_tensor, **super().get_config()}
 
 
 class RandomKCompressor(Compressor):
@@ -143,8 +148,8 @@ class RandomKCompressor(Compressor):
     name = "randomk"
     linear = True
 
-    def __init__(self, ratio=0.01, seed=0, error_feedback=True):
-        super().__init__(error_feedback=error_feedback)
+    def __init__(self, ratio=0.01, seed=0, error_feedback=True, **kwargs):
+        super().__init__(error_feedback=error_feedback, **kwargs)
         self.ratio = check_fraction("ratio", ratio)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"`seed` must be an integer. Received: {seed!r}")
@@ -202,8 +207,8 @@ class ThresholdCompressor(Compressor):
     name = "threshold"
     variable_size = True
 
-    def __init__(self, threshold=0.01, error_feedback=True):
-        super().__init__(error_feedback=error_feedback)
+    def __init__(self, threshold=0.01, error_feedback=True, **kwargs):
+        super().__init__(error_feedback=error_feedback, **kwargs)
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
                 threshold > 0):
             raise ValueError(f"`threshold` must be a positive number. Received: {threshold!r}")
@@ -258,6 +263,8 @@ class DGCCompressor(TopKCompressor):
       warmup_steps: steps of the density warm-up (0: `ratio` from the start).
       initial_ratio: density at step 0 of the warm-up.
       error_feedback: keep the accumulation v between steps (DGC's own residual).
+      per_tensor: top-k of each gradient (the paper's per-layer selection, default), or
+        over the fused gradients.
 
     Payload: k values + k int32 indices (k from the current density; variable during the
     warm-up).
@@ -267,8 +274,9 @@ class DGCCompressor(TopKCompressor):
     own_memory = True
 
     def __init__(self, ratio=0.001, momentum=0.9, clip_norm=None, warmup_steps=0,
-                 initial_ratio=0.25, error_feedback=True):
-        super().__init__(ratio=ratio, error_feedback=error_feedback)
+                 initial_ratio=0.25, error_feedback=True, per_tensor=True, **kwargs):
+        super().__init__(ratio=ratio, error_feedback=error_feedback, per_tensor=per_tensor,
+                         **kwargs)
         if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not (
                 0 <= momentum < 1):
             raise ValueError(f"`momentum` must be a float in [0, 1). Received: {momentum!r}")

@@ -26,8 +26,29 @@ from tfdist.compression.exchange import StrategyCommunicator
 from tfdist.compression.exchange import compression_logs
 
 
+def _unique(names):
+    """`names`, with `#1`, `#2`... after repeats (state is keyed by them)."""
+    seen, out = {}, []
+    for name in names:
+        count = seen.get(name, 0)
+        seen[name] = count + 1
+        out.append(f"{name}#{count}" if count else name)
+    return out
+
+
+def _components(value):
+    """A value's per-replica components (a plain tensor is the one of a single replica)."""
+    if isinstance(value, tf.distribute.DistributedValues):
+        return value.values
+    return (value,)
+
+
 class _CompressedExchangeMixin:
-    """Routes the gradient all-reduce of a Mirrored-type extended through a compressor."""
+    """Routes the gradient all-reduce of a Mirrored-type extended through a compressor.
+
+    Only the optimizer's gradient exchange is compressed: every other sum (synchronized
+    BatchNorm statistics, metrics, a user's own all-reduce) is exact.
+    """
 
     def _init_compression(self, compression):
         compressor = compression_lib.get(compression)
@@ -47,15 +68,33 @@ class _CompressedExchangeMixin:
             result = {**result, **compression_logs(stats)}
         return result
 
+    def _gradient_variables(self, values):
+        """The variables of a Keras optimizer's gradient all-reduce of `values`, or None if
+        this batch is something else (synchronized BatchNorm statistics, a metric, a user's
+        own all-reduce), which is summed exactly."""
+        variables = _tf_compat.keras_gradient_all_reduce(self._container_strategy())
+        if variables is None or len(variables) != len(values):
+            return None
+        for variable, value in zip(variables, values):
+            component = _components(value)[0]
+            if (not isinstance(component, tf.IndexedSlices)
+                    and component.shape != variable.shape):
+                return None
+        return variables
+
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         strategy = self._container_strategy()
         values = [value for value, _ in value_destination_pairs]
-        # Already-mirrored values take TF's own path, as do reductions other than sums and
-        # means.
-        if (self._exchange is None or reduce_op not in (tf.distribute.ReduceOp.SUM,
-                                                        tf.distribute.ReduceOp.MEAN)
-                or any(isinstance(v, _tf_compat.Mirrored) for v in values)):
+        local_replicas = len(self.worker_devices)
+        variables = None
+        if (self._exchange is not None
+                and reduce_op in (tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN)
+                and all(not isinstance(v, _tf_compat.Mirrored)
+                        and len(_components(v)) == local_replicas for v in values)):
+            variables = self._gradient_variables(values)
+        if variables is None:
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+        names = _unique([v.name.split(":")[0] for v in variables])
         # Sparse gradients (IndexedSlices, e.g. of an embedding) are all-gathered by TF as
         # they are; the dense ones of the same batch are compressed.
         local = [list(strategy.experimental_local_results(v)) for v in values]
@@ -63,18 +102,19 @@ class _CompressedExchangeMixin:
         if all(sparse):
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
         reduced = iter(self._compressed_sum(
-            reduce_op, [row for row, s in zip(local, sparse) if not s], options))
+            reduce_op, [row for row, s in zip(local, sparse) if not s], options,
+            [name for name, s in zip(names, sparse) if not s]))
         if any(sparse):
             sparse_reduced = iter(super()._batch_reduce_to(
                 reduce_op, [p for p, s in zip(value_destination_pairs, sparse) if s], options))
             return [next(sparse_reduced) if s else next(reduced) for s in sparse]
         return list(reduced)
 
-    def _compressed_sum(self, reduce_op, local, options):
+    def _compressed_sum(self, reduce_op, local, options, names):
         """Sums (or means) `local[i][replica]` over every replica through the compressor."""
         strategy = self._container_strategy()
         communicator = StrategyCommunicator(strategy, super()._batch_reduce_to, options)
-        sums, stats = self._exchange.all_reduce(local, communicator)
+        sums, stats = self._exchange.all_reduce(local, communicator, names)
         if reduce_op == tf.distribute.ReduceOp.MEAN:
             scale = 1.0 / strategy.num_replicas_in_sync
             sums = [[t * tf.cast(scale, t.dtype) for t in row] for row in sums]
