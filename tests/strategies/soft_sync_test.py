@@ -196,41 +196,41 @@ class FaultTest(tf.test.TestCase, parameterized.TestCase):
             self.assertRegex(cluster_log(cluster), r"/job:worker/task:1 at localhost:\d+ never "
                                                    r"joined the run .*init_timeout=4 s")
 
-    def test_hard_sync_names_the_dead_worker(self):
-        out = self.get_temp_dir()
-        with make_cluster(out, 2, "--scenario=long", "--epochs=400",
-                          stop_on_failure=False) as cluster:
+    def _kill_once_ready(self, task, *flags, **kwargs):
+        """A 400-epoch run whose `task` is SIGKILLed after the first epoch; returns
+        `(cluster, result, seconds from the kill to the run's end)`."""
+        with make_cluster(self.get_temp_dir(), 2, "--scenario=long", "--epochs=400", *flags,
+                          stop_on_failure=False, **kwargs) as cluster:
             wait_for_line(cluster, "READY")
             killed_at = time.monotonic()
-            os.kill(cluster.pid("worker:1"), signal.SIGKILL)
+            os.kill(cluster.pid(task), signal.SIGKILL)
             result = cluster.wait()
-            elapsed = time.monotonic() - killed_at
+            return cluster, result, time.monotonic() - killed_at
+
+    def test_hard_sync_names_the_dead_worker(self):
+        cluster, result, elapsed = self._kill_once_ready("worker:1")
         self.assertEqual(result.failed_task, "worker:1")
         self.assertNotEqual(result.task_returncodes["worker:0"], 0)
         self.assertLess(elapsed, 30, "the survivor should fail within seconds, not hang")
-        chief_lines = "\n".join(line for task, line in cluster.lines if task == "worker:0")
-        self.assertRegex(chief_lines, r"/job:worker/task:1 at localhost:\d+ died, and with "
-                                      r"replicas_to_aggregate equal to the number of workers")
-
+        self.assertRegex(task_lines(cluster, "worker:0"),
+                         r"/job:worker/task:1 at localhost:\d+ died, and with "
+                         r"replicas_to_aggregate equal to the number of workers")
 
     def test_a_killed_ps_is_named_and_no_worker_hangs(self):
         # Soft sync 1 of 2 on 2 ps tasks: ps 1 holds half the model, so no worker can go on.
-        out = self.get_temp_dir()
-        with make_cluster(out, 2, "--scenario=long", "--epochs=400",
-                          "--strategy_arg=replicas_to_aggregate=1", num_ps=2,
-                          stop_on_failure=False) as cluster:
-            wait_for_line(cluster, "READY")
-            killed_at = time.monotonic()
-            os.kill(cluster.pid("ps:1"), signal.SIGKILL)
-            result = cluster.wait()
-            elapsed = time.monotonic() - killed_at
+        cluster, result, elapsed = self._kill_once_ready(
+            "ps:1", "--strategy_arg=replicas_to_aggregate=1", num_ps=2)
         self.assertLess(elapsed, 60, "the workers should fail within seconds, not hang")
         for rank in (0, 1):
             self.assertNotEqual(result.task_returncodes[f"worker:{rank}"], 0,
                                 cluster_log(cluster))
-            lines = "\n".join(line for task, line in cluster.lines if task == f"worker:{rank}")
-            self.assertRegex(lines, r"/job:ps/task:1 at localhost:\d+ stopped answering: its "
-                                    r"shard .* is gone", cluster_log(cluster))
+            self.assertRegex(task_lines(cluster, f"worker:{rank}"),
+                             r"/job:ps/task:1 at localhost:\d+ stopped answering: its "
+                             r"shard .* is gone", cluster_log(cluster))
+
+
+def task_lines(cluster, task):
+    return "\n".join(line for name, line in cluster.lines if name == task)
 
 
 class CheckpointTest(tf.test.TestCase):
