@@ -55,7 +55,8 @@ def keras_optimizer_in_scope():
 
 def keras_gradient_all_reduce(strategy):
     """The variables whose gradients a Keras optimizer of `strategy` is all-reducing right
-    now (in the order of the gradients), or None.
+    now (in the order of the gradients), or None. An optimizer made outside any strategy's
+    scope (its strategy is TF's default) counts too, but gives the string "outside".
 
     Keras 3's TF optimizer sums the gradients in `_all_reduce_sum_gradients`, through the
     replica context, just after it pairs them with their variables
@@ -67,16 +68,20 @@ def keras_gradient_all_reduce(strategy):
 
     import keras
 
+    found = None
     for frame in sys._current_frames().values():
         while frame is not None:
             if frame.f_code.co_name == "_all_reduce_sum_gradients":
                 optimizer = frame.f_locals.get("self")
                 pairs = frame.f_locals.get("filtered_grads_and_vars")
-                if (isinstance(optimizer, keras.optimizers.Optimizer) and pairs is not None
-                        and getattr(optimizer, "_distribution_strategy", None) is strategy):
-                    return [variable for _, variable in pairs]
+                if isinstance(optimizer, keras.optimizers.Optimizer) and pairs is not None:
+                    owner = getattr(optimizer, "_distribution_strategy", None)
+                    if owner is strategy:
+                        return [variable for _, variable in pairs]
+                    if type(owner).__name__ == "_DefaultDistributionStrategy":
+                        found = "outside"
             frame = frame.f_back
-    return None
+    return found
 
 
 def keras_variable_path(name):

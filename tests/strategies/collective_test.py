@@ -186,6 +186,20 @@ class CompressedMirroredTest(tf.test.TestCase, parameterized.TestCase):
         self.assertGreater(cosine, 0.3 if name == "dgc" else 0.5, f"{name}: cosine {cosine:.2f}")
         self.assertAllInRange(np.linalg.norm(got) / np.linalg.norm(exact), 0.25, 4.0)
 
+    def test_an_optimizer_made_outside_the_scope_is_named_not_silently_uncompressed(self):
+        optimizer = keras.optimizers.SGD(0.1)  # outside the scope
+        strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression="topk")
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+            model.compile(optimizer=optimizer, loss=keras.losses.
+                          SparseCategoricalCrossentropy(from_logits=True))
+        x, y = collective_program.data()
+        with self.assertLogs("tfdist", "WARNING") as logs:
+            history = model.fit(x, y, batch_size=32, epochs=1, verbose=0).history
+        self.assertRegex("\n".join(logs.output), r"created outside `strategy.scope\(\)`: its "
+                                                  r"gradients are all-reduced uncompressed")
+        self.assertNotIn("bytes_sent", history)
+
     def test_synchronized_batchnorm_statistics_are_not_compressed(self):
         def moving_mean(compression):
             keras.utils.set_random_seed(1)

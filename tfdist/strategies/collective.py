@@ -14,6 +14,7 @@ strategy's `reduce` accepts both. No Keras code is patched.
 """
 
 import itertools
+import logging
 import os
 
 import tensorflow as tf
@@ -24,6 +25,8 @@ from tfdist.cluster import config as cluster_config
 from tfdist.compression.exchange import GradientExchange
 from tfdist.compression.exchange import StrategyCommunicator
 from tfdist.compression.exchange import compression_logs
+
+log = logging.getLogger("tfdist")
 
 
 def _unique(names):
@@ -73,6 +76,14 @@ class _CompressedExchangeMixin:
         this batch is something else (synchronized BatchNorm statistics, a metric, a user's
         own all-reduce), which is summed exactly."""
         variables = _tf_compat.keras_gradient_all_reduce(self._container_strategy())
+        if variables == "outside":
+            if not getattr(self, "_warned_outside", False):
+                self._warned_outside = True
+                log.warning(
+                    "tfdist: the Keras optimizer was created outside `strategy.scope()`: its "
+                    "gradients are all-reduced uncompressed. Create the optimizer (and compile "
+                    "the model) inside `with strategy.scope():` to compress them")
+            return None
         if variables is None or len(variables) != len(values):
             return None
         for variable, value in zip(variables, values):
