@@ -106,6 +106,32 @@ class LocalClusterTest(tf.test.TestCase):
         self.assertFalse(_alive(grandchild[0]))
         self._assert_torn_down(cluster)
 
+    def test_restarted_worker_runs_again_with_its_tf_config(self):
+        # Each start of a worker prints its TF_CONFIG task and a start count; the first run of
+        # worker 0 sleeps until it is restarted, the second exits 0.
+        marker = os.path.join(self.get_temp_dir(), "started")
+        code = ("import json, os, sys, time; t = json.loads(os.environ['TF_CONFIG'])['task']; "
+                f"m = {marker!r} + str(t['index']); again = os.path.exists(m); "
+                "open(m, 'a').close(); print('start', t['type'], t['index'], again, flush=True); "
+                "time.sleep(0 if again or t['index'] else 120)")
+        with LocalCluster(_python(code), num_ps=0, num_workers=2, output=None,
+                          timeout=RUN_TIMEOUT, isolate_network=False) as cluster:
+            deadline = time.monotonic() + 30
+            while ("worker:0", "start worker 0 False") not in cluster.lines:
+                self.assertLess(time.monotonic(), deadline, cluster.lines)
+                time.sleep(0.05)
+            first = cluster.pid("worker:0")
+            cluster.restart("worker:0")
+            self.assertNotEqual(cluster.pid("worker:0"), first)
+            self.assertFalse(_alive(first))
+            result = cluster.wait()
+        self.assertEqual(result.returncode, 0, cluster.lines)
+        self.assertIn(("worker:0", "start worker 0 True"), cluster.lines)
+        with self.assertRaisesRegex(ValueError, r"`task` must be one of this cluster's workers "
+                                                r"\['worker:0', 'worker:1'\]. Received: 'ps:0'"):
+            cluster.restart("ps:0")
+        self._assert_torn_down(cluster)
+
     def test_exception_in_with_block_tears_down(self):
         with self.assertRaises(RuntimeError):
             with LocalCluster(_python("import time; time.sleep(120)"), num_ps=1, num_workers=1,

@@ -11,12 +11,17 @@ cannot fail every time); a separate repro with 4 clients and one bare server cra
 """
 
 import os
+import subprocess
 import sys
 import textwrap
 
 import tensorflow as tf
 
+from tfdist.cluster import ClusterConfig
+from tfdist.cluster import pick_free_ports
+from tfdist.cluster import wait_for_tasks
 from tfdist.launch import LocalCluster
+from tfdist.launch.server import ps_threads
 
 NUM_PS = 3  # each ps is a separate chance for the race
 NUM_CLIENTS = 4
@@ -84,6 +89,76 @@ class PSServerTest(tf.test.TestCase):
         # Stopped by the launcher's SIGTERM once the workers finished, not crashed.
         self.assertEqual([result.task_returncodes[f"ps:{i}"] for i in range(NUM_PS)],
                          [0] * NUM_PS)
+
+
+WAITERS = textwrap.dedent("""
+    import sys, threading, time
+    import tensorflow as tf
+
+    ps, me, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    tf.config.experimental_connect_to_cluster(
+        tf.train.ClusterSpec({"ps": [ps], "worker": [me]}), job_name="worker", task_index=0)
+    device = "/job:ps/replica:0/task:0/device:CPU:0"
+    with tf.device(device):
+        queue = tf.raw_ops.FIFOQueueV2(component_types=[tf.int32], shapes=[], capacity=-1,
+                                       container="test", shared_name="replies")
+    got, lock = [], threading.Lock()
+
+    def wait():  # what a worker waiting for its reply does: a blocking dequeue on the ps
+        with tf.device(device):
+            value = tf.raw_ops.QueueDequeueV2(handle=queue, component_types=[tf.int32])[0]
+        with lock:
+            got.append(int(value))
+
+    threads = [threading.Thread(target=wait, daemon=True) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    time.sleep(3)  # every dequeue is waiting on the ps
+    with tf.device(device):  # one more op on the ps: it needs a free thread there
+        tf.raw_ops.QueueEnqueueManyV2(handle=queue, components=[tf.range(count)])
+    for thread in threads:
+        thread.join(30)
+    print("released", len(got), "of", count, flush=True)
+    sys.exit(0 if sorted(got) == list(range(count)) else 1)
+""")
+
+
+class PSThreadsTest(tf.test.TestCase):
+
+    def _config(self, num_workers):
+        return ClusterConfig.from_hosts(
+            ps_hosts=["localhost:1"], job_name="ps", task_index=0,
+            worker_hosts=[f"localhost:{2 + i}" for i in range(num_workers)])
+
+    def test_threads_grow_with_the_workers(self):
+        self.assertEqual(ps_threads(self._config(2)), 64)
+        self.assertEqual(ps_threads(self._config(100)), 208)
+        self.assertEqual(ps_threads(self._config(100), 300), 300)
+        with self.assertRaisesRegex(ValueError, r"`threads`=64 is too few for a ps of a cluster "
+                                                r"with 100 workers.*at least 208"):
+            ps_threads(self._config(100), 64)
+
+    def test_many_waiting_workers_do_not_exhaust_the_ps(self):
+        # 100 blocking dequeues held on a ps of a 100-worker cluster at once, then one more op:
+        # with a fixed pool of 64 threads the ps could serve no op any more (a hang).
+        count = 100
+        ps, client, *others = [f"localhost:{p}" for p in pick_free_ports(count + 1)]
+        script = os.path.join(self.get_temp_dir(), "waiters.py")
+        with open(script, "w") as f:
+            f.write(WAITERS)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tfdist.launch", "--job_name=ps", f"--ps_hosts={ps}",
+             "--worker_hosts=" + ",".join([client, *others[:count - 1]])],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            wait_for_tasks({"/job:ps/task:0": ps}, timeout=60)
+            done = subprocess.run([sys.executable, script, ps, client, str(count)],
+                                  capture_output=True, text=True, timeout=90)
+        finally:
+            server.kill()
+            server.wait(10)
+        self.assertEqual(done.returncode, 0, done.stderr[-3000:])
+        self.assertIn(f"released {count} of {count}", done.stdout)
 
 
 if __name__ == "__main__":

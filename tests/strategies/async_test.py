@@ -130,6 +130,24 @@ class AsyncTrainingTest(tf.test.TestCase):
         pushes = sum(load_result(out, f"worker{r}.json")["pushes"] for r in range(3))
         self.assertEqual(chief["aggregated"], pushes)
 
+    def test_the_chief_waits_for_a_slower_worker_and_a_pause_is_not_death(self):
+        # The chief trains its 3 epochs in about a second and joins. Worker 1 sleeps 0.3 s
+        # after each step and 6 s after its first epoch (a long validation or checkpoint: no
+        # update meanwhile, 3 times the liveness probes' verdict time). It is neither cut
+        # off nor taken for dead: every push of both is applied, and the chief, which waited,
+        # ends on the final weights, as worker 1 does.
+        out = self.get_temp_dir()
+        cluster, result = run_cluster(out, 2, "--strategy=async", "--epochs=3",
+                                      "--slow_rank=1", "--slow_delay=0.3", "--pause=6")
+        self.assertEqual(result.returncode, 0, cluster_log(cluster))
+        chief, slow = load_result(out, "worker0.json"), load_result(out, "worker1.json")
+        self.assertEqual(chief["dead"], [])
+        self.assertLen(slow["history"]["loss"], 3)
+        self.assertEqual(chief["aggregated"], chief["pushes"] + slow["pushes"])
+        self.assertEqual(chief["updates"], chief["aggregated"])
+        for a, b in zip(chief["weights"], slow["local_weights"]):
+            self.assertAllEqual(a, b)
+
     def test_learning_rate_factor_reaches_the_optimizer(self):
         out = self.get_temp_dir()
         cluster, result = run_cluster(out, 1, "--strategy=async", "--frozen", "--epochs=1")

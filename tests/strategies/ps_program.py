@@ -8,6 +8,9 @@ Scenarios:
   long         train long enough to be killed mid-run; print READY after the first epoch.
   checkpoint   BackupAndRestore on every worker (own directory), ModelCheckpoint on the
                chief; with --crash_after_epoch the chief dies after that epoch.
+  restart      the chief is SIGKILLed while it waits for a reply and started again (with
+               `--strategy=async --strategy_arg=max_staleness=4 --strategy_arg=on_stale='wait'`,
+               see `test_a_restarted_chief_takes_only_its_own_replies`).
 """
 
 import json
@@ -24,17 +27,21 @@ from tests.strategies import ps_functions
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("scenario", "equivalence",
-                  ["equivalence", "late", "long", "checkpoint", "absent"],
+                  ["equivalence", "late", "long", "checkpoint", "absent", "restart"],
                   "What to run.")
 flags.DEFINE_integer("crash_after_epoch", -1, "checkpoint: the chief dies after this epoch.")
 flags.DEFINE_string("out_dir", None, "Where to write results.")
 tfdist.strategies.define_flags(default="soft_sync")
 flags.DEFINE_integer("epochs", 3, "Epochs.")
 flags.DEFINE_enum("optimizer", "sgd", ["sgd", "momentum", "adam", "adamw", "loss_scale"],
-                  "Optimizer. adamw: weight decay but not on biases, and a kernel constraint "
-                  "on the first layer; loss_scale: SGD in a dynamic LossScaleOptimizer.")
+                  "Optimizer. momentum: with `loss_scale_factor=8` (the loss scaled, the "
+                  "gradients unscaled once); adamw: weight decay but not on biases, and a "
+                  "kernel constraint on the first layer; loss_scale: SGD in a dynamic "
+                  "LossScaleOptimizer.")
 flags.DEFINE_integer("slow_rank", -1, "A worker that sleeps after each step.")
 flags.DEFINE_float("slow_delay", 0.05, "Its sleep, in seconds.")
+flags.DEFINE_float("pause", 0.0, "The slow worker's pause after its first epoch, in seconds "
+                   "(a long validation or checkpoint: no push meanwhile).")
 flags.DEFINE_integer("steps_per_execution", 1, "Keras `steps_per_execution`.")
 flags.DEFINE_bool("frozen", False, "async: a staleness function that zeroes every update.")
 
@@ -62,7 +69,8 @@ def build_model(optimizer, steps_per_execution=1):
         return adamw
 
     optimizers = {"sgd": lambda: keras.optimizers.SGD(0.1),
-                  "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+                  "momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9,
+                                                           loss_scale_factor=8.0),
                   "adam": lambda: keras.optimizers.Adam(0.01),
                   "adamw": adamw,
                   "loss_scale": lambda: keras.optimizers.LossScaleOptimizer(
@@ -105,11 +113,55 @@ class Slow(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         time.sleep(FLAGS.slow_delay)
 
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            time.sleep(FLAGS.pause)
+
 
 class Ready(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if epoch == 0:
             print("READY", flush=True)
+
+
+def wait_for_updates(strategy, count, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while strategy.progress()["updates"] < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{count} updates not reached within {timeout} s")
+        time.sleep(0.05)
+
+
+def restart_scenario(strategy, model, xs, ys):
+    """SSP with bound 4. The chief's first process takes one step (clock 1), then worker 1
+    joins at clock 1 and takes one (clock 2); the chief blocks in its 6th push after that
+    (clock 7: 5 ahead of worker 1). The test kills it there and writes `go`; worker 1's next
+    step (clock 3) releases the dead process, whose reply stays in the chief's reply queue;
+    the test then restarts the chief, whose 4 steps (clocks 4 to 7), with worker 1 idle,
+    must each take the reply to its own push. 13 updates in all."""
+    one = dict(batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    if strategy.worker_index == 1:
+        wait_for_file(os.path.join(FLAGS.out_dir, "chief_joined"))
+        model.fit(xs[:BATCH], ys[:BATCH], **one)
+        save("worker1_joined")
+        wait_for_updates(strategy, 8)  # the chief's first process is blocked in its 6th push
+        print("PAUSED", flush=True)
+        wait_for_file(os.path.join(FLAGS.out_dir, "go"))
+        history = model.fit(xs[BATCH:2 * BATCH], ys[BATCH:2 * BATCH], **one)
+        print("RELEASED", flush=True)
+        wait_for_file(os.path.join(FLAGS.out_dir, "chief_done"))
+        return history
+    if not os.path.exists(os.path.join(FLAGS.out_dir, "chief_joined")):
+        model.fit(xs[:BATCH], ys[:BATCH], **one)
+        save("chief_joined")
+        wait_for_file(os.path.join(FLAGS.out_dir, "worker1_joined"))
+        model.fit(xs, ys, batch_size=BATCH, epochs=400, shuffle=False, verbose=0)
+        raise AssertionError("the chief's first process should have been killed")
+    history = model.fit(xs, ys, **one)
+    save("restarted", history_step=history.history["global_step"][-1],
+         progress_step=strategy.progress()["global_step"])
+    save("chief_done")
+    return history
 
 
 def main(argv):
@@ -127,7 +179,9 @@ def main(argv):
     xs, ys = strategy.shard(x, y)
     if strategy.is_chief:
         save("initial.json", weights=[w.tolist() for w in model.get_weights()])
-    if FLAGS.scenario == "late":
+    if FLAGS.scenario == "restart":
+        history = restart_scenario(strategy, model, xs, ys)
+    elif FLAGS.scenario == "late":
         # The chief starts the run with one step, worker 1 joins with one step; the chief
         # then trains an epoch alone, and worker 1's next push, computed on the weights of
         # its first reply, is stale.

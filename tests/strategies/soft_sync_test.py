@@ -146,6 +146,19 @@ class DroppedGradientTest(tf.test.TestCase):
         self.assertEqual(late["progress"]["global_step"], chief["updates"])
         self.assertEqual(late["progress"]["dropped_gradients"], 2)
         self.assertEqual(late["progress"]["aggregated_gradients"], chief["updates"])
+        # DC-ASGD with bound 0 drops the same two pushes and takes only fresh ones. Each
+        # worker's weights at its read are recorded with the reply that sent them (a drop's
+        # reply too), so its compensation lambda g^2 (w_now - w_read) is exactly zero: the
+        # weights are soft sync's, bit for bit.
+        dc_out = os.path.join(out, "dc")
+        cluster, result = run_cluster(dc_out, 2, "--scenario=late", "--strategy=async",
+                                      "--strategy_arg=max_staleness=0",
+                                      "--strategy_arg=delay_compensation=2.0")
+        self.assertEqual(result.returncode, 0, cluster_log(cluster))
+        dc = load_result(dc_out, "worker0.json")
+        self.assertEqual((dc["dropped"], dc["updates"]), (2, chief["updates"]))
+        for got, want in zip(dc["weights"], chief["weights"]):
+            self.assertAllEqual(got, want)
 
 
 class FaultTest(tf.test.TestCase, parameterized.TestCase):
@@ -178,6 +191,31 @@ class FaultTest(tf.test.TestCase, parameterized.TestCase):
         out = self._kill_during_soft_sync(0)
         steps = [load_result(out, f"worker{r}.json")["history"]["global_step"] for r in (1, 2)]
         self.assertGreater(min(s[-1] for s in steps), min(s[0] for s in steps))
+
+    def test_a_restarted_chief_takes_only_its_own_replies(self):
+        # SSP (async, bound 4, wait): the chief is SIGKILLed while it waits for its reply, and
+        # worker 1's next step releases it, so a reply to the dead process sits in the chief's
+        # reply queue on the ps, which lives on. The restarted chief joins the same run at the
+        # current weights, skips that reply, and each of its 4 steps takes its own: the global
+        # step of its last reply is the ps's (13 updates, see `ps_program.restart_scenario`).
+        out = self.get_temp_dir()
+        with make_cluster(out, 2, "--scenario=restart", "--strategy=async",
+                          "--strategy_arg=max_staleness=4", "--strategy_arg=on_stale='wait'",
+                          stop_on_failure=False) as cluster:
+            wait_for_line(cluster, "PAUSED")
+            os.kill(cluster.pid("worker:0"), signal.SIGKILL)
+            with open(os.path.join(out, "go"), "w"):
+                pass
+            wait_for_line(cluster, "RELEASED")
+            cluster.restart("worker:0")
+            result = cluster.wait()
+        self.assertEqual(result.returncode, 0, cluster_log(cluster))
+        self.assertEqual(load_result(out, "restarted"),
+                         {"history_step": 13, "progress_step": 13})
+        chief, other = load_result(out, "worker0.json"), load_result(out, "worker1.json")
+        self.assertEqual((chief["updates"], chief["aggregated"]), (13, 13))
+        for a, b in zip(chief["weights"], other["local_weights"]):
+            self.assertAllEqual(a, b)
 
     @parameterized.parameters(None, 1)
     def test_a_worker_that_never_starts(self, replicas_to_aggregate):

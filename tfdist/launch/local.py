@@ -237,6 +237,25 @@ class LocalCluster:
         """The process id of a task, e.g. `pid("worker:1")`."""
         return self._tasks[task].process.pid
 
+    def restart(self, task):
+        """Starts worker `task` again, as a scheduler restarts a preempted worker.
+
+        The task is SIGKILLed if it still runs, then its program starts again with the same
+        TF_CONFIG (same address); its output goes on under the same name, and only the new
+        process's exit counts in the run's result. Call it before `wait()`. ps tasks cannot be
+        restarted: a restarted ps would have lost its shard of the model.
+        """
+        workers = sorted(name for name in self._tasks if name.startswith("worker:"))
+        if task not in workers:
+            raise ValueError(f"`task` must be one of this cluster's workers {workers}. "
+                             f"Received: {task!r}")
+        old = self._tasks[task]
+        old.signal(signal.SIGKILL)
+        old.reap(5.0)
+        old.finish_output()
+        index = int(task.partition(":")[2])
+        self._spawn(task, self.command, self.config.with_task("worker", index))
+
     def wait(self, timeout=None):
         """Supervises the run until it ends, and tears the cluster down.
 

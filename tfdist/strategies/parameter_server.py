@@ -656,8 +656,13 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                     ShardClient(self._connection, shard).absent()
                 return
             if self._mode == AVERAGING and int(self._round_steps.numpy()):
+                # The steps since the last round make one more round (a period longer than
+                # the run makes only this one).
+                def last_round():
+                    self._average()  # a tf.function returns tensors, not the round's op
+
                 with replica_step():
-                    tf.function(self._average)()
+                    tf.function(last_round)()
             if not wait:
                 try:
                     self._pull()
