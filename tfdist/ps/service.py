@@ -311,21 +311,26 @@ class ShardUpdater:
                                                    self.num_workers))
 
     def _send(self, rank, step, values, message=""):
-        """Enqueues a reply to worker `rank` (a tensor) with `values` at global step `step`."""
+        """Enqueues a reply to worker `rank` with `values` at global step `step`; with
+        delay compensation, records them as the weights that worker reads.
+
+        `rank` is a Python int where the caller knows it (one enqueue), else a tensor (one
+        branch per worker)."""
         stats = self.progress.read_value()
 
-        def branch(r):
-            def put():
-                ops = [tf.raw_ops.QueueEnqueueV2(
-                    handle=self.reply_queues[r],
-                    components=[step, tf.constant(message), stats, values])]
-                if self.weights_read is not None:
-                    ops.append(self.weights_read.scatter_nd_update(
-                        [[r]], values[None, :self.layout.main_size]))
-                with tf.control_dependencies(ops):
-                    return tf.constant(True)
-            return put
-        return tf.switch_case(rank, [branch(r) for r in range(self.num_workers)])
+        def put(r):
+            ops = [tf.raw_ops.QueueEnqueueV2(
+                handle=self.reply_queues[r],
+                components=[step, tf.constant(message), stats, values])]
+            if self.weights_read is not None:
+                ops.append(self.weights_read.scatter_nd_update(
+                    [[r]], values[None, :self.layout.main_size]))
+            with tf.control_dependencies(ops):
+                return tf.constant(True)
+
+        if isinstance(rank, int):
+            return put(rank)
+        return tf.switch_case(rank, [lambda r=r: put(r) for r in range(self.num_workers)])
 
     def _step(self):
         return self.progress[protocol.STAT_STEP]
@@ -433,8 +438,7 @@ class ShardUpdater:
             with tf.control_dependencies([self._record_fn(step, state)]):
                 values = self._flat_values()
             for rank in range(self.num_workers):
-                tf.cond(state["released"][rank],
-                        lambda rank=rank: self._send(tf.constant(rank), step, values),
+                tf.cond(state["released"][rank], lambda rank=rank: self._send(rank, step, values),
                         lambda: tf.constant(True))
             return
         # Stale synchronous parallel: the worker waits until it is at most `max_staleness`
@@ -467,7 +471,7 @@ class ShardUpdater:
                                                          tf.logical_not(release)))
         with tf.control_dependencies([cleared]):
             for r in range(self.num_workers):
-                tf.cond(release[r], lambda r=r: self._send(tf.constant(r), step, values),
+                tf.cond(release[r], lambda r=r: self._send(r, step, values),
                         lambda: tf.constant(True))
 
     def _serve_updates_fn(self, required, live, state):
