@@ -27,6 +27,46 @@ while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
 """
 
 
+# Worker 0 times `size` bytes that worker 1 sends it over the cluster's network (TCP).
+LINK = """
+import json, os, socket, sys, time
+config = json.loads(os.environ["TF_CONFIG"])
+host, port = config["cluster"]["worker"][0].rsplit(":", 1)
+size = int(sys.argv[1])
+if config["task"]["index"] == 0:
+    with socket.create_server((host, int(port))) as server:
+        server.settimeout(30)
+        connection, _ = server.accept()
+        with connection:
+            got, start = 0, None
+            while got < size:
+                chunk = connection.recv(1 << 16)
+                if not chunk:
+                    break
+                start = start or time.monotonic()
+                got += len(chunk)
+            print("RATE", got * 8 / (time.monotonic() - start), flush=True)
+else:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            link = socket.create_connection((host, int(port)), timeout=5)
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "worker 0 never listened"
+            time.sleep(0.05)
+    with link:
+        link.sendall(b"x" * size)
+"""
+
+
+def _skip_without_namespaces(test):
+    try:
+        PrivateNetwork().close()
+    except IsolationUnavailable as e:
+        test.skipTest(f"this system refuses network namespaces: {e}")
+
+
 def _connects(host, port):
     try:
         with socket.create_connection((host, port), timeout=1):
@@ -39,10 +79,7 @@ class IsolationTest(tf.test.TestCase):
 
     def setUp(self):
         super().setUp()
-        try:
-            PrivateNetwork().close()
-        except IsolationUnavailable as e:
-            self.skipTest(f"this system refuses network namespaces: {e}")
+        _skip_without_namespaces(self)
 
     def test_ps_is_reachable_inside_the_cluster_only(self):
         done = self.get_temp_dir() + "/done"
@@ -77,6 +114,36 @@ class IsolationTest(tf.test.TestCase):
         self.assertEqual(result.returncode, 0, cluster.lines)
 
 
+class BandwidthTest(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        _skip_without_namespaces(self)
+
+    def _rate(self, bandwidth, size):
+        with LocalCluster([sys.executable, "-c", LINK, str(size)], num_ps=0, num_workers=2,
+                          output=None, timeout=60, bandwidth=bandwidth) as cluster:
+            result = cluster.wait()
+        self.assertEqual(result.returncode, 0, cluster.lines)
+        return next(float(line.split()[1]) for _, line in cluster.lines
+                    if line.startswith("RATE"))
+
+    def test_the_private_network_is_held_at_the_set_rate(self):
+        # 2 MB at 8 Mbit/s: about 2 s (the bucket's first 256 KiB go at once).
+        limited = self._rate("8mbit", 2 << 20)
+        self.assertBetween(limited, 0.5 * 8e6, 1.5 * 8e6)
+        self.assertGreater(self._rate(None, 2 << 20), 10 * limited)
+
+    def test_bad_bandwidth(self):
+        for bad in ("fast", "100", "-5mbit", "1kbit", 100):
+            with self.assertRaisesRegex(ValueError, r"`bandwidth` must be a rate such as "
+                                                    r"'100mbit'.*Received: "):
+                LocalCluster(["true"], bandwidth=bad)
+        self.assertEqual(isolation.parse_bandwidth("12.5MBps"), 1e8)
+        with self.assertRaisesRegex(ValueError, "needs `isolate_network` 'auto' or True"):
+            LocalCluster(["true"], bandwidth="100mbit", isolate_network=False)
+
+
 class FallbackTest(tf.test.TestCase):
 
     def test_warns_loudly_where_namespaces_are_refused(self):
@@ -87,6 +154,11 @@ class FallbackTest(tf.test.TestCase):
                 self.assertIsNone(private_network())
             with self.assertRaisesRegex(IsolationUnavailable, "Operation not permitted"):
                 private_network(required=True)
+            # A rate limit needs the namespace: an error, not a warning and an open network.
+            cluster = LocalCluster(["true"], num_ps=0, bandwidth="8mbit")
+            with self.assertRaisesRegex(IsolationUnavailable, r"`bandwidth`='8mbit' limits a "
+                                                              r"private network namespace"):
+                cluster.start()
 
     def test_bad_argument(self):
         with self.assertRaisesRegex(ValueError, "`isolate_network` must be 'auto', True or "

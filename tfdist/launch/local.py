@@ -30,6 +30,8 @@ from tfdist.cluster import ClusterConfig
 from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import pick_free_ports
 from tfdist.cluster import wait_for_tasks
+from tfdist.launch.isolation import IsolationUnavailable
+from tfdist.launch.isolation import parse_bandwidth
 from tfdist.launch.isolation import private_network
 
 # Set for every task: blocking ops across clients hang with streaming enqueue (the ps runs
@@ -126,12 +128,17 @@ class LocalCluster:
       isolate_network: "auto" (default) runs the tasks in a private network namespace, or
         warns loudly where the system refuses one; True requires it; False runs them on the
         machine's network.
+      bandwidth: None, or a rate such as "100mbit" or "1gbit" that the private network's
+        loopback is limited to (tc's token bucket), so that communication costs show on
+        one machine. Every task's traffic crosses that one link: the tasks share its rate.
+        Needs the private network (and `tc`): refused with `isolate_network=False`, an error
+        where the system refuses.
     """
 
     def __init__(self, command, num_ps=1, num_workers=1, timeout=None, grace_period=3.0,
                  env=None, output=sys.stdout, host="localhost", ps_threads=None,
                  startup_timeout=30.0, cwd=None, stop_on_failure=True,
-                 isolate_network="auto", ps_imports=()):
+                 isolate_network="auto", ps_imports=(), bandwidth=None):
         if not command or isinstance(command, str):
             raise ValueError(f"`command` must be a non-empty argv list. Received: {command!r}")
         if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
@@ -161,6 +168,13 @@ class LocalCluster:
             raise ValueError(f"`isolate_network` must be 'auto', True or False. Received: "
                              f"{isolate_network!r}")
         self.isolate_network = isolate_network
+        if bandwidth is not None:
+            parse_bandwidth(bandwidth)
+            if isolate_network is False:
+                raise ValueError(f"`bandwidth`={bandwidth!r} limits the cluster's private "
+                                 "network: it needs `isolate_network` 'auto' or True. "
+                                 "Received: isolate_network=False")
+        self.bandwidth = bandwidth
         self.network = None
         ports = pick_free_ports(num_ps + num_workers)
         self.config = ClusterConfig.from_hosts(
@@ -194,7 +208,17 @@ class LocalCluster:
         self._start_time = time.monotonic()
         try:
             if self.isolate_network and self.network is None:
-                self.network = private_network(required=self.isolate_network is True)
+                try:
+                    self.network = private_network(
+                        required=self.isolate_network is True or self.bandwidth is not None)
+                except IsolationUnavailable as e:
+                    if self.bandwidth is None:
+                        raise
+                    message = (f"`bandwidth`={self.bandwidth!r} limits a private network "
+                               f"namespace: {e}")
+                    raise IsolationUnavailable(e.errno, message) from None
+                if self.bandwidth is not None:
+                    self.network.limit_bandwidth(self.bandwidth)
             for i in range(self.config.num_ps):
                 argv = [sys.executable, "-m", "tfdist.launch", "--job_name=ps",
                         f"--task_index={i}", "--ps_hosts=" + ",".join(self.config.cluster["ps"])]

@@ -63,6 +63,10 @@ flags.DEFINE_bool("isolate_network", True,
                   "With --local: run the tasks in a private network namespace, so that nothing "
                   "outside the cluster can reach its TensorFlow servers (a loud warning where "
                   "the system refuses one). --noisolate_network uses the machine's network.")
+flags.DEFINE_string("bandwidth", None,
+                    "With --local: limit the cluster's private network to this rate (e.g. "
+                    "100mbit, 1gbit; tc's units), shared by all its tasks, so that "
+                    "communication costs show on one machine.")
 flags.DEFINE_float("grace_period", 3.0,
                    "With --local: seconds the other tasks get after one fails.", lower_bound=0)
 
@@ -140,11 +144,19 @@ def _run_local(command):
     if not command:
         raise app.UsageError("--local needs the worker command after `--`, e.g. "
                              "`tfdist-launch --local -- python train.py`")
-    cluster = LocalCluster(command, num_ps=FLAGS.num_ps, num_workers=FLAGS.num_workers,
-                           timeout=FLAGS.timeout, grace_period=FLAGS.grace_period,
-                           ps_threads=FLAGS.ps_threads, stop_on_failure=FLAGS.stop_on_failure,
-                           isolate_network="auto" if FLAGS.isolate_network else False,
-                           ps_imports=FLAGS.ps_import)
+    from tfdist.launch.isolation import IsolationUnavailable
+
+    try:
+        cluster = LocalCluster(command, num_ps=FLAGS.num_ps, num_workers=FLAGS.num_workers,
+                               timeout=FLAGS.timeout, grace_period=FLAGS.grace_period,
+                               ps_threads=FLAGS.ps_threads,
+                               stop_on_failure=FLAGS.stop_on_failure,
+                               isolate_network="auto" if FLAGS.isolate_network else False,
+                               ps_imports=FLAGS.ps_import, bandwidth=FLAGS.bandwidth)
+    except ValueError as e:
+        raise app.UsageError(str(e).replace("`bandwidth`", "--bandwidth").replace(
+            "`isolate_network` 'auto' or True. Received: isolate_network=False",
+            "the private network. Received: --noisolate_network")) from None
 
     def _terminate(signum, frame):
         raise KeyboardInterrupt
@@ -156,6 +168,9 @@ def _run_local(command):
     except KeyboardInterrupt:
         print("[tfdist-launch] interrupted; every task stopped", file=sys.stderr)
         return 130
+    except IsolationUnavailable as e:
+        print(f"[tfdist-launch] cannot start the cluster: {e}", file=sys.stderr)
+        return 1
     if result.returncode:
         print(f"[tfdist-launch] FAILED: {result.message}", file=sys.stderr)
     else:
