@@ -54,9 +54,9 @@ def keras_optimizer_in_scope():
 
 
 def keras_gradient_all_reduce(strategy):
-    """The variables whose gradients a Keras optimizer of `strategy` is all-reducing right
-    now (in the order of the gradients), or None. An optimizer made outside any strategy's
-    scope (its strategy is TF's default) counts too, but gives the string "outside".
+    """`(optimizer, variables)` of the gradients a Keras optimizer of `strategy` is
+    all-reducing right now (variables in the order of the gradients), or None. An optimizer
+    made outside any strategy's scope (its strategy is TF's default) gives "outside".
 
     Keras 3's TF optimizer sums the gradients in `_all_reduce_sum_gradients`, through the
     replica context, just after it pairs them with their variables
@@ -77,7 +77,7 @@ def keras_gradient_all_reduce(strategy):
                 if isinstance(optimizer, keras.optimizers.Optimizer) and pairs is not None:
                     owner = getattr(optimizer, "_distribution_strategy", None)
                     if owner is strategy:
-                        return [variable for _, variable in pairs]
+                        return optimizer, [variable for _, variable in pairs]
                     if type(owner).__name__ == "_DefaultDistributionStrategy":
                         found = "outside"
             frame = frame.f_back

@@ -96,6 +96,22 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(compressor.decompress_sum(payloads, [64, 32], tf.float32, key),
                             tf.add_n(parts), atol=1e-6)
 
+    @parameterized.parameters(ALL)
+    def test_a_non_finite_gradient_leaves_the_state_and_stays_non_finite(self, name):
+        # An fp16 overflow: the state (residual, momentum...) is left as it was, and what the
+        # payload decodes to is not finite, so the loss-scale logic sees it.
+        compressor = tfdist.compression.get(name)
+        x = tf.random.stateless_normal([64, 32], seed=[5, 6])
+        key = tf.constant([3, 0], tf.int64)
+        _, state = compressor.compress(x, key=key)  # a state that is not all zeros
+        for bad in (float("nan"), float("inf")):
+            poisoned = tf.tensor_scatter_nd_update(x, [[3, 4]], [bad])
+            payload, new_state = compressor.compress(poisoned, state, key)
+            for state_name, value in state.items():
+                self.assertAllEqual(new_state[state_name], value, msg=f"{name} {state_name}")
+            decoded = compressor.decompress(payload, x.shape, x.dtype, key)
+            self.assertFalse(np.all(np.isfinite(decoded.numpy())), f"{name} with {bad}")
+
     def test_dgc_accumulation_invariant(self):
         compressor = tfdist.compression.get("dgc", ratio=0.05, momentum=0.9)
         x = tf.random.stateless_normal([50, 20], seed=[9, 1])

@@ -120,6 +120,47 @@ class CompressedMirroredTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllEqual(parts[0], parts[1])  # replicas agree after decoding
             self.assertTrue(np.all(np.isfinite(parts[0].numpy())))
 
+    @parameterized.parameters(("threshold",), ("powersgd",))
+    def test_loss_scaling_under_compression(self, name):
+        # A LossScaleOptimizer whose first scale overflows float32 gradients: the step is
+        # skipped (weights unchanged, scale lowered) and every codec state stays finite; the
+        # next steps, at a lower scale, train. (Keras checks replica 0's gradients before the
+        # all-reduce, so an overflow everywhere never reaches the codecs; what a codec does
+        # with a non-finite input is tested in compressors_test.py.)
+        strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression=name)
+        keras.utils.set_random_seed(1)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                                      keras.layers.Dense(2)])
+            optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1),
+                                                            initial_scale=2.0 ** 127)
+            model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True))
+        x, y = collective_program.data()
+        before = model.get_weights()
+        model.fit(1e6 * x[:32], y[:32], batch_size=32, epochs=1, shuffle=False, verbose=0)
+        for a, b in zip(before, model.get_weights()):
+            self.assertAllEqual(a, b)
+        self.assertLess(float(optimizer.dynamic_scale.numpy()), 2.0 ** 127)
+        states = strategy.extended._exchange.states.variables
+        for key, variables in states.items():
+            for state_name, variable in variables.items():
+                for part in strategy.experimental_local_results(variable):
+                    self.assertTrue(np.all(np.isfinite(part.numpy())), (key, state_name))
+        history = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0).history
+        self.assertLess(history["loss"][-1], history["loss"][0])
+
+    def test_dgc_beside_an_optimizers_momentum_is_named(self):
+        strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression="dgc")
+        with self.assertLogs("tfdist", "WARNING") as logs:
+            train(strategy, optimizer="adam", epochs=1)
+        self.assertRegex("\n".join(logs.output), r"`dgc` applies momentum correction itself "
+                                                   r"\(momentum=0.9\), and the model trains "
+                                                   r"with Adam")
+        plain = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression="dgc")
+        with self.assertNoLogs("tfdist", "WARNING"):
+            train(plain, optimizer="sgd", epochs=1)
+
     def test_residuals_are_per_replica(self):
         strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression="topk")
         train(strategy, epochs=1)

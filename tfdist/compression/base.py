@@ -158,6 +158,10 @@ class Compressor:
         if not self.compressible(tensor.shape, tensor.dtype):
             return (tensor,), state
         key = _key(key)
+        # A non-finite gradient (an fp16 overflow) leaves the state as it was, and its
+        # payload's values come out NaN, so that the sums stay non-finite (a threshold never
+        # passes a NaN) and a LossScaleOptimizer skips the step, as without compression.
+        finite = tf.reduce_all(tf.math.is_finite(tensor))
         memory = self.error_feedback and not self.own_memory
         if memory:
             tensor = self.memory.compensate(tensor, state["residual"])
@@ -165,7 +169,11 @@ class Compressor:
         new_state = {**state, **new_state}
         if memory:
             new_state["residual"] = self._residual(tensor, tuple(payload), key)
-        return tuple(payload), new_state
+        payload = tuple(tf.where(finite, p, tf.constant(float("nan"), p.dtype))
+                        if p.dtype.is_floating else p for p in payload)
+        new_state = {name: tf.where(finite, value, state[name]) if name in state else value
+                     for name, value in new_state.items()}
+        return payload, new_state
 
     def decompress(self, payload, shape, dtype, key=None):
         """The tensor of `shape` and `dtype` that `payload` stands for."""

@@ -143,7 +143,12 @@ class PowerSGDCompressor(Compressor):
                         own = tf.reshape(tf.cast(p_hats[r][u] @ tf.transpose(qs[r][u]), dtype),
                                          shape)
                         new_state["residual"] = self.memory.update(compensated[u][r], own)
-                    new_states[u][r] = new_state
+                    # A non-finite gradient anywhere makes the sum non-finite on every
+                    # replica: each keeps its Q and residual (the sum goes on, for the
+                    # loss-scale logic).
+                    finite = tf.reduce_all(tf.math.is_finite(total))
+                    new_states[u][r] = {name: tf.where(finite, value, states[u][r][name])
+                                        for name, value in new_state.items()}
         sent = sum_payload_bytes([ps[0], qs[0]])
         return sums, new_states, sent
 

@@ -219,7 +219,10 @@ class ThresholdCompressor(Compressor):
         flat = _flat(tensor)
         indices = tf.cast(tf.where(tf.abs(flat) >= self.threshold)[:, 0], tf.int32)
         signs = tf.cast(tf.sign(tf.gather(flat, indices)), tf.int32)
-        return ((indices + 1) * signs,), {}
+        # A NaN never passes the threshold: a non-finite input adds the code 0 (never an
+        # element's), which decodes to NaN everywhere.
+        poisoned = 1 - tf.cast(tf.reduce_all(tf.math.is_finite(flat)), tf.int32)
+        return (tf.concat([(indices + 1) * signs, tf.zeros([poisoned], tf.int32)], 0),), {}
 
     def _values(self, codes, dtype):
         return tf.cast(tf.sign(codes), dtype) * tf.cast(self.threshold, dtype)
@@ -230,11 +233,14 @@ class ThresholdCompressor(Compressor):
     def _decompress_sum(self, payloads, shape, dtype, key):
         del key
         codes = tf.concat([p[0] for p in payloads], axis=0)
-        return _sum_at(tf.abs(codes) - 1, self._values(codes, dtype), shape)
+        valid = tf.boolean_mask(codes, tf.not_equal(codes, 0))
+        total = _sum_at(tf.abs(valid) - 1, self._values(valid, dtype), shape)
+        return tf.where(tf.reduce_all(tf.not_equal(codes, 0)), total,
+                        tf.constant(float("nan"), dtype))
 
     def _residual(self, compensated, payload, key):
         del key
-        codes = payload[0]
+        codes = tf.boolean_mask(payload[0], tf.not_equal(payload[0], 0))
         return _without(compensated, tf.abs(codes) - 1, self._values(codes, compensated.dtype))
 
     def payload_dtypes(self, dtype):

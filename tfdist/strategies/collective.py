@@ -75,8 +75,8 @@ class _CompressedExchangeMixin:
         """The variables of a Keras optimizer's gradient all-reduce of `values`, or None if
         this batch is something else (synchronized BatchNorm statistics, a metric, a user's
         own all-reduce), which is summed exactly."""
-        variables = _tf_compat.keras_gradient_all_reduce(self._container_strategy())
-        if variables == "outside":
+        found = _tf_compat.keras_gradient_all_reduce(self._container_strategy())
+        if found == "outside":
             if not getattr(self, "_warned_outside", False):
                 self._warned_outside = True
                 log.warning(
@@ -84,14 +84,37 @@ class _CompressedExchangeMixin:
                     "gradients are all-reduced uncompressed. Create the optimizer (and compile "
                     "the model) inside `with strategy.scope():` to compress them")
             return None
-        if variables is None or len(variables) != len(values):
+        if found is None:
             return None
+        optimizer, variables = found
+        if len(variables) != len(values):
+            return None
+        self._check_momentum(optimizer)
         for variable, value in zip(variables, values):
             component = _components(value)[0]
             if (not isinstance(component, tf.IndexedSlices)
                     and component.shape != variable.shape):
                 return None
         return variables
+
+    def _check_momentum(self, optimizer):
+        """DGC's momentum correction beside an optimizer's own momentum applies momentum
+        twice (Lin et al. train DGC with plain SGD): said once, by name."""
+        compressor = self._exchange.compressor
+        if getattr(self, "_checked_momentum", False) or not getattr(compressor, "momentum", 0):
+            return
+        self._checked_momentum = True
+        inner = getattr(optimizer, "inner_optimizer", optimizer)
+        momentum = getattr(inner, "momentum", None) if type(inner).__name__ == "SGD" else None
+        if momentum == 0:
+            return
+        what = (f"SGD with momentum={momentum}" if momentum is not None
+                else f"{type(inner).__name__} (its own moment estimates)")
+        log.warning(
+            "tfdist: `dgc` applies momentum correction itself (momentum=%s), and the model "
+            "trains with %s: momentum is applied twice, which can cost accuracy. Train with "
+            "plain SGD (momentum=0) under dgc, as its paper does, or give dgc momentum=0",
+            compressor.momentum, what)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         strategy = self._container_strategy()
