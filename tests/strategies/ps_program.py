@@ -38,6 +38,9 @@ flags.DEFINE_enum("optimizer", "sgd", ["sgd", "momentum", "adam", "adamw", "loss
                   "gradients unscaled once); adamw: weight decay but not on biases, and a "
                   "kernel constraint on the first layer; loss_scale: SGD in a dynamic "
                   "LossScaleOptimizer.")
+flags.DEFINE_enum("model", "mlp", ["mlp", "embedding"],
+                  "mlp: 8-16-2; embedding: each feature bucketed into one of 48 ids, an "
+                  "Embedding(48, 4) (a sparse gradient), then Dense(2).")
 flags.DEFINE_integer("slow_rank", -1, "A worker that sleeps after each step.")
 flags.DEFINE_float("slow_delay", 0.05, "Its sleep, in seconds.")
 flags.DEFINE_float("pause", 0.0, "The slow worker's pause after its first epoch, in seconds "
@@ -48,20 +51,41 @@ flags.DEFINE_bool("frozen", False, "async: a staleness function that zeroes ever
 ROWS, BATCH = 128, 16
 
 
-def data():
+def data(model="mlp"):
     rng = np.random.RandomState(0)
     x = rng.randn(ROWS, 8).astype("float32")
     y = (x[:, :4].sum(1) > x[:, 4:].sum(1)).astype("int32")
+    if model in ("embedding", "dense_lookup"):
+        x = np.clip(((x + 3) * 8).astype("int32"), 0, 47)
     return x, y
 
 
-def build_model(optimizer, steps_per_execution=1):
+class DenseLookup(keras.layers.Layer):
+    """An embedding whose gradient is dense (a one-hot product), for one-process references:
+    Keras 3's Adam squares each slice of a sparse gradient before repeated rows are summed
+    (v gathers the sum of g^2 where the batch repeats an id), while tfdist's ps applies Adam
+    to the summed gradient, as the algorithm (and TF1's duplicate-index handling) has it."""
+
+    def build(self, input_shape):
+        self.embeddings = self.add_weight(shape=(48, 4), initializer="uniform")
+
+    def call(self, ids):
+        return keras.ops.matmul(keras.ops.one_hot(ids, 48), self.embeddings)
+
+
+def build_model(optimizer, steps_per_execution=1, model="mlp"):
     keras.utils.set_random_seed(1)
     constraint = keras.constraints.MaxNorm(0.5) if optimizer == "adamw" else None
-    model = keras.Sequential([keras.Input((8,)),
-                              keras.layers.Dense(16, activation="tanh",
-                                                 kernel_constraint=constraint),
-                              keras.layers.Dense(2, activation="softmax")])
+    if model in ("embedding", "dense_lookup"):
+        lookup = keras.layers.Embedding(48, 4) if model == "embedding" else DenseLookup()
+        model = keras.Sequential([keras.Input((8,), dtype="int32"), lookup,
+                                  keras.layers.Flatten(),
+                                  keras.layers.Dense(2, activation="softmax")])
+    else:
+        model = keras.Sequential([keras.Input((8,)),
+                                  keras.layers.Dense(16, activation="tanh",
+                                                     kernel_constraint=constraint),
+                                  keras.layers.Dense(2, activation="softmax")])
 
     def adamw():
         adamw = keras.optimizers.AdamW(0.01, weight_decay=0.5)
@@ -159,7 +183,8 @@ def restart_scenario(strategy, model, xs, ys):
         raise AssertionError("the chief's first process should have been killed")
     history = model.fit(xs, ys, **one)
     save("restarted", history_step=history.history["global_step"][-1],
-         progress_step=strategy.progress()["global_step"])
+         progress_step=strategy.progress()["global_step"],
+         skipped=[client.skipped_replies for client in strategy.extended._clients])
     save("chief_done")
     return history
 
@@ -174,8 +199,8 @@ def main(argv):
     strategy = tfdist.strategies.from_flags(**overrides)
     rank = strategy.worker_index
     with strategy.scope():
-        model = build_model(FLAGS.optimizer, FLAGS.steps_per_execution)
-    x, y = data()
+        model = build_model(FLAGS.optimizer, FLAGS.steps_per_execution, FLAGS.model)
+    x, y = data(FLAGS.model)
     xs, ys = strategy.shard(x, y)
     if strategy.is_chief:
         save("initial.json", weights=[w.tolist() for w in model.get_weights()])
@@ -225,6 +250,8 @@ def main(argv):
               "local_weights": [w.tolist() for w in model.get_weights()],
               "devices": sorted({w.value.device for w in model.weights}),
               "placement": strategy.placement() if history.epoch else None,
+              "sparse_pushed": [len(layout.sparse) for layout in strategy.extended._layouts]
+              if history.epoch else None,
               "loss_scale": float(getattr(model.optimizer, "dynamic_scale", 0.0))}
     if strategy.is_chief:
         stats = result["progress"]

@@ -112,6 +112,27 @@ class ShardLayout:
         self.main_size = int(sum(self.main_sizes))
         self.value_size = int(sum(self.value_sizes))
         self.reply_size = self.main_size + self.value_size
+        # Gradients pushed as the rows they touch: `(offset in the main vector, row size)`.
+        offsets = np.cumsum([0] + self.main_sizes[:-1]).tolist()
+        self.sparse = [(int(offset), _size(e["shape"][1:]))
+                       for offset, e in zip(offsets, self.main) if e.get("sparse")]
+        self.dense_sizes = [n for n, e in zip(self.main_sizes, self.main)
+                            if not e.get("sparse")]
+
+    def densify(self, dense, sparse):
+        """The main vector of a push: `dense` (the other gradients, flat) with each sparse
+        gradient's rows `(rows, flat row values)` added at its place (repeated rows sum)."""
+        if not self.sparse:
+            return tf.reshape(dense, [self.main_size])
+        pieces = iter(tf.split(dense, self.dense_sizes) if self.dense_sizes else [])
+        full = tf.concat([tf.zeros([n]) if e.get("sparse") else next(pieces)
+                          for n, e in zip(self.main_sizes, self.main)], axis=0)
+        for (offset, width), (rows, values) in zip(self.sparse, sparse):
+            positions = (offset + rows[:, None] * width
+                         + tf.range(width, dtype=tf.int64)[None, :])
+            full = tf.tensor_scatter_nd_add(full, tf.reshape(positions, [-1, 1]),
+                                            tf.reshape(values, [-1]))
+        return full
 
     @staticmethod
     def flatten(tensors):
@@ -137,9 +158,19 @@ def _size(shape):
     return int(np.prod(shape)) if shape else 1
 
 
-def push_dtypes(payload_dtypes):
-    """Component dtypes of a push: tag, rank, the main part's payload, the values."""
-    return [tf.int64, tf.int32, *payload_dtypes, tf.float32]
+def push_dtypes(payload_dtypes, num_sparse=0):
+    """Component dtypes of a push: tag, rank, the main part's payload, rows and row values
+    of each gradient pushed sparse, the values."""
+    return [tf.int64, tf.int32, *payload_dtypes, *[tf.int64, tf.float32] * num_sparse,
+            tf.float32]
+
+
+def sparse_rows(gradient, entry):
+    """`(rows int64, flat float32 row values)` of the gradient of a variable pushed sparse."""
+    if not isinstance(gradient, tf.IndexedSlices):  # a trace whose gradient came dense
+        gradient = tf.IndexedSlices(gradient, tf.range(entry["shape"][0]))
+    return (tf.cast(gradient.indices, tf.int64),
+            tf.reshape(tf.cast(gradient.values, tf.float32), [-1]))
 
 
 REPLY_DTYPES = [tf.int64, tf.string, tf.int64, tf.float32]
@@ -197,7 +228,7 @@ def compare_specs(run_spec, spec):
             return f"it has variable {path!r}, which the run does not"
         if path not in mine:
             return f"the run has variable {path!r}, which it does not"
-        for field in ("shape", "dtype", "role", "rows"):
+        for field in ("shape", "dtype", "role", "rows", "sparse"):
             if mine[path].get(field) != theirs[path].get(field):
                 return (f"variable {path!r} has {field} {mine[path].get(field)!r}, in the run "
                         f"{theirs[path].get(field)!r} (the same `variable_partitioner` "

@@ -124,7 +124,7 @@ class ShardUpdater:
         self.created = time.monotonic()
         payload_dtypes = (self.compressor.payload_dtypes(tf.float32) if self.compressor
                           else [tf.float32])
-        self.push_dtypes = protocol.push_dtypes(payload_dtypes)
+        self.push_dtypes = protocol.push_dtypes(payload_dtypes, len(self.layout.sparse))
         name = lambda n: protocol.run_name(run, n)  # noqa: E731
         with tf.device(self.device):
             self.push_queue = tf.raw_ops.FIFOQueueV2(
@@ -305,7 +305,8 @@ class ShardUpdater:
 
     def _decode(self, payload, tag, rank):
         if self.compressor is None:
-            return tf.reshape(payload[0], [self.layout.main_size])
+            pairs = list(zip(payload[1::2], payload[2::2]))
+            return self.layout.densify(payload[0], pairs)
         return self.compressor.decompress(payload, [self.layout.main_size], tf.float32,
                                           push_key(tag, rank, self.spec["shard"],
                                                    self.num_workers))

@@ -114,10 +114,17 @@ class _Part(typing.NamedTuple):
         return shape
 
     def take(self, tensor):
-        """This part of `tensor`, a value (or gradient) of the whole variable."""
+        """This part of `tensor`, a value (or gradient) of the whole variable; of a sparse
+        gradient (`tf.IndexedSlices`), the slices of this part's rows, renumbered."""
         if self.rows is None:
             return tensor
-        return tf.convert_to_tensor(tensor)[self.rows[0]:self.rows[1]]
+        begin, end = self.rows
+        if isinstance(tensor, tf.IndexedSlices):
+            mine = tf.logical_and(tensor.indices >= begin, tensor.indices < end)
+            return tf.IndexedSlices(tf.boolean_mask(tensor.values, mine),
+                                    tf.boolean_mask(tensor.indices, mine) - begin,
+                                    dense_shape=self.shape)
+        return tf.convert_to_tensor(tensor)[begin:end]
 
 
 class _Step:
@@ -302,11 +309,14 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
 
     # Joining a run -----------------------------------------------------------------------
 
-    def _ensure_run(self, pushed_variables=()):
-        """At the first training trace: joins (or starts) the run on every ps task."""
+    def _ensure_run(self, pushed_variables=(), sparse_variables=()):
+        """At the first training trace: joins (or starts) the run on every ps task.
+
+        `sparse_variables` are pushed as the rows their gradient touches (embeddings)."""
         if self._clients is not None:
             return
         pushed = {id(v) for v in pushed_variables}
+        sparse = {id(v) for v in sparse_variables}
         num_ps = self._connection.num_ps
         options = {}
         for variable in self._mirrors:
@@ -321,6 +331,8 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             role = variable._tfdist_role
             entry = {"path": variable._tfdist_path, "shape": variable.shape.as_list(),
                      "dtype": variable.dtype.name, "role": role, **options.get(id(variable), {})}
+            if id(variable) in sparse and role == protocol.GRADIENT:
+                entry["sparse"] = True
             for shard, rows in self._placement[variable._tfdist_path]:
                 part = _Part(variable, rows)
                 entries[shard].append({**entry, "shape": part.shape,
@@ -362,8 +374,8 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             self._layouts = [protocol.ShardLayout(e) for e in entries]
             dtypes = (self._compressor.payload_dtypes(tf.float32) if self._compressor
                       else [tf.float32])
-            for client in clients:
-                client.open_push_queue(dtypes)
+            for client, layout in zip(clients, self._layouts):
+                client.open_push_queue(dtypes, len(layout.sparse))
             self._residuals = [None] * len(clients)
             self._pull()
 
@@ -393,7 +405,8 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
     def placement(self):
         """Where the masters live, per ps task: `task`, `variables` (`{path: rows}`, rows
         `[begin, end]` of a part or None for the whole variable), `bytes_held` (with the
-        optimizer's slots) and `bytes_pushed` (what one push of a worker carries there)."""
+        optimizer's slots) and `bytes_pushed` (what one push of a worker carries there; for
+        an embedding pushed as rows, its whole size: the most a push can carry)."""
         if self._clients is None:
             raise ValueError("the masters are placed when the first training step starts")
         out = [{"task": name, "variables": {}, "bytes_held": 0, "bytes_pushed": 0}
@@ -507,21 +520,27 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             raise ValueError(f"these trained variables were not created under the strategy's "
                              f"scope: {unknown}. Build the model and compile it inside "
                              "`with strategy.scope():`")
-        self._ensure_run(variables)
+        # Without compression, an embedding's gradient travels as the rows it touches; a
+        # compressor codes dense vectors.
+        sparse = [v for v, g in step.recorded if isinstance(g, tf.IndexedSlices)]
+        self._ensure_run(variables, sparse if self._compressor is None else ())
         frozen = [v._tfdist_path for v in variables if v._tfdist_role != protocol.GRADIENT]
         if frozen:
             raise ValueError(
                 f"the train step trains {frozen}, which the run's first step did not train "
                 "(unfrozen after training began?); the ps tasks keep the variables the run "
                 "started with as state. Set `trainable` before the first `fit`")
-        sparse = [v._tfdist_path for v, g in step.recorded if isinstance(g, tf.IndexedSlices)]
-        if sparse and not getattr(self, "_warned_sparse", False):
+        pushed_sparse = {id(p.variable) for layout, parts in zip(self._layouts, self._shards)
+                         for p, e in zip(parts, layout.main) if e.get("sparse")}
+        dense = [v._tfdist_path for v in sparse if id(v) not in pushed_sparse]
+        if dense and not getattr(self, "_warned_sparse", False):
             self._warned_sparse = True
-            log.warning("tfdist: the gradients of %s are sparse (embedding rows); a push "
-                        "carries them dense, the whole variable each step", sparse)
-        # A sparse gradient made dense once, not once per part of a split variable.
-        gradients = {id(v): tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                     for v, g in step.recorded}
+            log.warning("tfdist: the gradients of %s are sparse (embedding rows); with "
+                        "compression a push carries them dense, the whole variable each "
+                        "step", dense)
+        # A sparse gradient pushed dense is made dense once, not once per part.
+        gradients = {id(v): g if id(v) in pushed_sparse or not isinstance(g, tf.IndexedSlices)
+                     else tf.convert_to_tensor(g) for v, g in step.recorded}
         missing = sorted({p.variable._tfdist_path for s in self._shards for p in s
                           if p.variable._tfdist_role == protocol.GRADIENT
                           and id(p.variable) not in gradients})
@@ -540,12 +559,15 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         for shard, client in enumerate(self._clients):
             layout = self._layouts[shard]
             parts = self._shards[shard]
+            tensors = [main_tensor(p) for p in parts[:len(layout.main)]]
             main = protocol.ShardLayout.flatten(
-                [main_tensor(p) for p in parts[:len(layout.main)]])
+                [t for t, e in zip(tensors, layout.main) if not e.get("sparse")])
+            rows = [protocol.sparse_rows(t, e)
+                    for t, e in zip(tensors, layout.main) if e.get("sparse")]
             values = protocol.ShardLayout.flatten(
                 [p.take(p.variable.read_value()) for p in parts[len(layout.main):]])
             tag = tags[shard]
-            payload, state_updates = (main,), []
+            payload, state_updates = (main, *[c for pair in rows for c in pair]), []
             if self._compressor is not None:
                 payload, state_updates = self._compress(shard, main, tag)
                 sent.append(payload)

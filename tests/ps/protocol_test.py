@@ -1,0 +1,54 @@
+"""The worker/ps protocol: int64s travel exactly as the float32 words of their bits; a sparse
+gradient's rows land in place on the ps."""
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.ps import protocol
+
+
+class PackTest(tf.test.TestCase):
+
+    def test_ints_travel_exactly_in_a_float_pack(self):
+        # Tags past 2^31, the int64 extremes, and bit patterns that are NaNs as float32 words.
+        ints = np.array([0, -1, 2 ** 31 + 5, 2 ** 62, -2 ** 63, 2 ** 63 - 1,
+                         0x7FC00001FFC00001, 0x7F8000017F800001], np.int64)
+
+        @tf.function
+        def round_trip(ints, values):
+            packed = tf.concat([protocol.ints_as_floats(ints), values], axis=0)
+            head, rest = tf.split(packed, [2 * len(ints), -1])
+            return protocol.floats_as_ints(head), rest
+
+        for values in (tf.zeros([0]), tf.constant([1.5, -2.0, np.nan])):
+            got, rest = round_trip(tf.constant(ints), values)
+            self.assertAllEqual(got, ints)
+            self.assertAllEqual(tf.bitcast(rest, tf.int32), tf.bitcast(values, tf.int32))
+
+
+class SparseRowsTest(tf.test.TestCase):
+
+    def test_rows_are_added_in_place_and_repeated_rows_sum(self):
+        entries = [{"path": "a", "shape": [2, 3], "dtype": "float32", "role": "gradient"},
+                   {"path": "e", "shape": [4, 2], "dtype": "float32", "role": "gradient",
+                    "sparse": True},
+                   {"path": "b", "shape": [3], "dtype": "float32", "role": "gradient"}]
+        layout = protocol.ShardLayout(entries)
+        self.assertEqual(layout.sparse, [(6, 2)])
+        gradient = tf.IndexedSlices(tf.constant([[1.0, 2.0], [3.0, 4.0], [10.0, 20.0]]),
+                                    tf.constant([3, 0, 3]), dense_shape=[4, 2])
+        rows = protocol.sparse_rows(gradient, entries[1])
+        got = layout.densify(tf.range(9, dtype=tf.float32), [rows])
+        want = np.concatenate([np.arange(6), [3, 4, 0, 0, 0, 0, 11, 22], [6, 7, 8]])
+        self.assertAllEqual(got, want)
+        # The part of a split table (rows 2 to 4) takes its own slices, renumbered.
+        from tfdist.strategies.parameter_server import _Part
+
+        variable = tf.Variable(tf.zeros([4, 2]))
+        part = _Part(variable, (2, 4)).take(gradient)
+        self.assertAllEqual(part.indices, [1, 1])
+        self.assertAllEqual(part.values, [[1.0, 2.0], [10.0, 20.0]])
+
+
+if __name__ == "__main__":
+    tf.test.main()
