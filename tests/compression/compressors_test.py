@@ -183,16 +183,48 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(compressor.decompress(payload, x.shape, x.dtype),
                             [2.0, 2.0, -3.0, -3.0, 2.0])
 
-    @parameterized.parameters(("terngrad",), ("qsgd",))
-    def test_stochastic_quantisers_are_unbiased(self, name):
+    @parameterized.parameters(("terngrad", {"clip": None}), ("qsgd", {}),
+                              ("qsgd", {"bucket_size": None}), ("qsgd", {"bucket_size": 7}))
+    def test_stochastic_quantisers_are_unbiased(self, name, config):
         tf.random.set_seed(0)
-        compressor = tfdist.compression.get(name)
+        compressor = tfdist.compression.get(name, **config)
         x = tf.random.stateless_normal([200], seed=[4, 4])
         mean = tf.add_n([compressor.decompress(compressor.compress(x)[0], x.shape, x.dtype)
                          for _ in range(400)]) / 400
         scale = float(tf.reduce_max(tf.abs(x)))
         self.assertLess(float(tf.reduce_max(tf.abs(mean - x))), 0.2 * scale)
         self.assertLess(abs(float(tf.reduce_mean(mean - x))), 0.01 * scale)
+
+    def test_qsgd_buckets_have_their_own_norm(self):
+        # One large element coarsens only its bucket of 4: the others keep their levels.
+        x = tf.constant([100.0, 0.1, 0.2, 0.3, 1.0, 2.0, 3.0, 4.0, 0.5])
+        compressor = tfdist.compression.get("qsgd", bucket_size=4)
+        codes, norms = compressor.compress(x)[0]
+        self.assertAllClose(norms, [np.linalg.norm([100, .1, .2, .3]),
+                                    np.linalg.norm([1, 2, 3, 4]), 0.5])
+        self.assertEqual(compressor.payload_bytes([9], tf.float32), 9 + 4 * 3)
+        decoded = compressor.decompress((codes, norms), x.shape, x.dtype).numpy()
+        self.assertAllClose(decoded[4:], x.numpy()[4:], atol=float(norms[1]) / 127)
+        self.assertEqual(tfdist.compression.get("qsgd").payload_bytes([1000], tf.float32),
+                         1000 + 4 * 2)
+
+    def test_terngrad_clips_at_its_root_mean_square(self):
+        # One outlier among small values: unclipped, the scale is the outlier's and almost
+        # every other element becomes 0; clipped at 2.5 rms the scale is 2.5 rms.
+        x = tf.concat([tf.constant([50.0]), tf.random.stateless_normal([999], seed=[1, 2])], 0)
+        rms = float(tf.sqrt(tf.reduce_mean(tf.square(x))))
+        _, scale = tfdist.compression.get("terngrad").compress(x)[0]
+        self.assertAllClose(scale, [2.5 * rms], rtol=1e-5)
+        # A one-element or constant gradient (a Dense(1) bias) is not clipped to zero.
+        for flat in ([3.0], [1.0, 1.0, 1.0]):
+            _, scale = tfdist.compression.get("terngrad").compress(tf.constant(flat))[0]
+            self.assertAllClose(scale, [max(flat)])
+        _, raw = tfdist.compression.get("terngrad", clip=None).compress(x)[0]
+        self.assertAllClose(raw, [50.0])
+        with self.assertRaisesRegex(ValueError, "`clip` must be None or a positive number"):
+            tfdist.compression.get("terngrad", clip=0)
+        with self.assertRaisesRegex(ValueError, "`bucket_size` must be None or a positive"):
+            tfdist.compression.get("qsgd", bucket_size=0)
 
     @parameterized.parameters(("fp16",), ("randomk",), ("none",))
     def test_linear_payloads_sum(self, name):

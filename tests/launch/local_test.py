@@ -180,6 +180,12 @@ class LauncherCliTest(tf.test.TestCase):
             (["--job_name=ps", "--ps_hosts=localhost:2", "--", "true"], "a ps task runs no"),
             (["--job_name=ps", "--ps_hosts=localhost:2", "--ps_import=no_such_module_here"],
              r"--ps_import=no_such_module_here: cannot import it \(ModuleNotFoundError"),
+            (["--local", "--bandwidth=fast", "--", "true"],
+             r"--bandwidth must be a rate such as '100mbit'.*Received: 'fast'"),
+            (["--local", "--bandwidth=1gbit", "--noisolate_network", "--", "true"],
+             r"needs the private network. Received: --noisolate_network"),
+            (["--job_name=worker", "--worker_hosts=a:1", "--bandwidth=1gbit", "--", "true"],
+             r"--bandwidth limits the private network of a --local cluster"),
         ]:
             result = self._run(*args)
             self.assertNotEqual(result.returncode, 0, args)

@@ -49,6 +49,13 @@ class SparseRowsTest(tf.test.TestCase):
         self.assertAllEqual(part.indices, [1, 1])
         self.assertAllEqual(part.values, [[1.0, 2.0], [10.0, 20.0]])
 
+    def test_a_worker_pushing_an_embedding_otherwise_is_refused_by_name(self):
+        entry = {"path": "e", "shape": [4, 2], "dtype": "float32", "role": "gradient"}
+        spec = {"variables": [entry]}
+        self.assertEqual(protocol.compare_specs(spec, {"variables": [{**entry,
+                                                                      "sparse": True}]}),
+                         "variable 'e' has sparse True, in the run None")
+
 
 if __name__ == "__main__":
     tf.test.main()

@@ -187,9 +187,9 @@ class DroppedGradientTest(tf.test.TestCase):
 class FaultTest(tf.test.TestCase, parameterized.TestCase):
 
     def _kill_during_soft_sync(self, rank):
-        """Soft sync 2 of 3, 40 epochs; worker `rank` SIGKILLed after the first epoch."""
+        """Soft sync 2 of 3, 20 epochs; worker `rank` SIGKILLed after the first epoch."""
         out = self.get_temp_dir()
-        with make_cluster(out, 3, "--scenario=long", "--epochs=40",
+        with make_cluster(out, 3, "--scenario=long", "--epochs=20",
                           "--strategy_arg=replicas_to_aggregate=2",
                           stop_on_failure=False) as cluster:
             wait_for_line(cluster, "READY")
@@ -201,7 +201,7 @@ class FaultTest(tf.test.TestCase, parameterized.TestCase):
             self.assertEqual(result.task_returncodes[f"worker:{survivor}"], 0,
                              cluster_log(cluster))
             survived = load_result(out, f"worker{survivor}.json")
-            self.assertEqual(len(survived["history"]["loss"]), 40)
+            self.assertEqual(len(survived["history"]["loss"]), 20)
             self.assertEqual(survived["progress"]["dead"], [rank])
         return out
 

@@ -9,8 +9,8 @@ Payload sizes are for a gradient of n elements (b bytes each):
 | `bf16` | bfloat16 cast | 2 n | yes |
 | `onebit` | sign bits + mean of the positive and of the negative entries | ceil(n/8) + 8 | no |
 | `signsgd` | sign bits + mean absolute value | ceil(n/8) + 4 | no |
-| `terngrad` | 2-bit ternary codes + max absolute value | ceil(n/4) + 4 | no |
-| `qsgd` | int8 signed levels + L2 norm | n + 4 | no |
+| `terngrad` | 2-bit ternary codes + max |x| (clipped at 2.5 rms) | ceil(n/4) + 4 | no |
+| `qsgd` | int8 signed levels + the L2 norm of each bucket of d (512) | n + 4 ceil(n/d) | no |
 """
 
 import abc
@@ -209,21 +209,38 @@ class SignSGDCompressor(_SignBitsCompressor):
 
 
 class TernGradCompressor(Compressor):
-    """TernGrad (Wen et al. 2017): s * t with t in {-1, 0, 1}, s = max|x|, unbiased.
+    """TernGrad (Wen et al. 2017): s * t with t in {-1, 0, 1}, s = max|x|, per tensor.
 
-    t_i = sign(x_i) with probability |x_i| / s, else 0. Unbiased, so error feedback is off by
-    default. Payload: ceil(n/4) bytes of 2-bit codes + 4 bytes of scale.
+    Each gradient is first clipped at `clip` times its root mean square (the paper's c = 2.5
+    standard deviations of its zero-mean gradients; about 0 rather than about the mean, so
+    that a one-element or constant gradient is not clipped to 0): a few large elements would
+    otherwise set a scale at which almost every other element rounds to 0. Then
+    t_i = sign(x_i) with probability |x_i| / s, else 0, unbiased for the clipped gradient.
+    Error feedback is off by default, as in the paper. Payload: ceil(n/4) bytes of
+    2-bit codes + 4 bytes of scale.
+
+    Args:
+      clip: c, clip at c * sqrt(mean(x^2)) before ternarising; None: no clipping (then
+        unbiased).
     """
 
     name = "terngrad"
     per_tensor = True  # the scale is each tensor's own max
 
-    def __init__(self, error_feedback=False, **kwargs):
+    def __init__(self, clip=2.5, error_feedback=False, **kwargs):
+        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
+                                 or not clip > 0):
+            raise ValueError(f"`clip` must be None or a positive number of standard "
+                             f"deviations. Received: {clip!r}")
         super().__init__(error_feedback=error_feedback, **kwargs)
+        self.clip = None if clip is None else float(clip)
 
     def _compress(self, tensor, state, key):
         del state, key
         flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
+        if self.clip is not None:
+            bound = self.clip * tf.sqrt(tf.reduce_mean(tf.square(flat)))
+            flat = tf.clip_by_value(flat, -bound, bound)
         magnitude = tf.abs(flat)
         scale = tf.reduce_max(magnitude)
         # P(keep) = |x| / s, without a division (s = 0 keeps nothing).
@@ -243,47 +260,79 @@ class TernGradCompressor(Compressor):
     def payload_bytes(self, shape, dtype):
         return math.ceil(_size(tf.TensorShape(shape)) / 4) + 4
 
+    def get_config(self):
+        return {"clip": self.clip, **super().get_config()}
+
 
 class QSGDCompressor(Compressor):
-    """QSGD (Alistarh et al. 2017): ||x|| * sign(x) * l / s, l stochastic in 0..s, unbiased.
+    """QSGD (Alistarh et al. 2017): ||x||_b * sign(x) * l / s per bucket b, unbiased.
+
+    The gradient is cut into buckets of `bucket_size` elements (the paper's d = 512), each
+    quantised against its own L2 norm: one large element then coarsens only its bucket.
+    l is stochastic in 0..s with E[l / s] = |x| / ||x||_b.
 
     Args:
       levels: s, the number of quantisation levels per sign, 1..127 (int8 codes).
+      bucket_size: d, elements per bucket (default 512); None: one bucket per tensor.
       error_feedback: off by default (QSGD is unbiased).
 
-    Payload: n bytes of int8 codes + 4 bytes of norm.
+    Payload: n bytes of int8 codes + 4 bytes of norm per bucket.
     """
 
     name = "qsgd"
-    per_tensor = True  # the norm is each tensor's own
+    per_tensor = True  # the norms are each tensor's own
 
-    def __init__(self, levels=127, error_feedback=False, **kwargs):
+    def __init__(self, levels=127, bucket_size=512, error_feedback=False, **kwargs):
         if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
             raise ValueError(f"`levels` must be an integer between 1 and 127 (int8 codes). "
                              f"Received: {levels!r}")
+        if bucket_size is not None and (isinstance(bucket_size, bool)
+                                        or not isinstance(bucket_size, int) or bucket_size < 1):
+            raise ValueError(f"`bucket_size` must be None or a positive integer (elements). "
+                             f"Received: {bucket_size!r}")
         super().__init__(error_feedback=error_feedback, **kwargs)
         self.levels = levels
+        self.bucket_size = bucket_size
+
+    def _width(self, size):
+        return max(1, size if self.bucket_size is None else min(self.bucket_size, size))
+
+    @staticmethod
+    def _rows(flat, width):
+        """`flat` zero-padded to whole buckets, one per row."""
+        pad = (width - tf.size(flat) % width) % width
+        return tf.reshape(tf.pad(flat, [[0, pad]]), [-1, width])
 
     def _compress(self, tensor, state, key):
         del state, key
         flat = tf.reshape(tf.cast(tensor, tf.float32), [-1])
-        norm = tf.norm(flat)
-        scaled = tf.abs(flat) * tf.math.divide_no_nan(float(self.levels), norm)
-        level = tf.minimum(tf.floor(scaled + tf.random.uniform(tf.shape(flat))), self.levels)
-        codes = tf.cast(tf.where(flat < 0, -level, level), tf.int8)
-        return (codes, norm[None]), {}
+        size = flat.shape.num_elements()
+        width = self._width(size) if size is not None else self.bucket_size
+        if width is None:  # one bucket of a size known only at run time
+            rows = flat[None, :]
+        else:
+            rows = self._rows(flat, width)
+        norms = tf.norm(rows, axis=1)
+        scaled = tf.abs(rows) * tf.math.divide_no_nan(float(self.levels), norms[:, None])
+        level = tf.minimum(tf.floor(scaled + tf.random.uniform(tf.shape(rows))), self.levels)
+        codes = tf.cast(tf.where(rows < 0, -level, level), tf.int8)
+        return (tf.reshape(codes, [-1])[:tf.size(flat)], norms), {}
 
     def _decompress(self, payload, shape, dtype, key):
         del key
-        codes, norm = payload
-        flat = tf.cast(codes, tf.float32) * (norm[0] / self.levels)
+        codes, norms = payload
+        size = _size(shape)
+        rows = self._rows(tf.cast(codes, tf.float32), self._width(size))
+        flat = tf.reshape(rows * (norms[:, None] / self.levels), [-1])[:size]
         return tf.reshape(tf.cast(flat, dtype), shape)
 
     def payload_dtypes(self, dtype):
         return (tf.int8, tf.float32)
 
     def payload_bytes(self, shape, dtype):
-        return _size(tf.TensorShape(shape)) + 4
+        size = _size(tf.TensorShape(shape))
+        return size + 4 * math.ceil(size / self._width(size))
 
     def get_config(self):
-        return {"levels": self.levels, **super().get_config()}
+        return {"levels": self.levels, "bucket_size": self.bucket_size,
+                **super().get_config()}

@@ -135,8 +135,9 @@ class PrivateNetwork:
         if tc is None:
             raise IsolationUnavailable(errno.ENOENT, "`bandwidth` needs `tc` (iproute2), which "
                                                      "this machine does not have")
-        # The bucket holds at least a loopback packet (64 KiB) and 4 ms of traffic.
-        burst = max(256 * 1024, int(bits / 8 / 250))
+        # The bucket holds a loopback packet (64 KiB, lo's MTU, and its headers) or 4 ms of
+        # traffic, whichever is more: a larger one would let small messages pass unlimited.
+        burst = max(70_000, int(bits / 8 / 250))
         command = [tc, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{int(bits)}bit",
                    "burst", str(burst), "latency", "50ms"]
         done = subprocess.run(command, preexec_fn=self.enter_in_child, capture_output=True,

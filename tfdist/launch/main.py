@@ -208,6 +208,10 @@ def _write_manifests(command):
 
 def main(argv):
     command = _worker_command(argv)
+    if FLAGS.bandwidth is not None and not FLAGS.local:
+        raise app.UsageError(f"--bandwidth limits the private network of a --local cluster; "
+                             f"a cluster of separate machines runs on their own network. "
+                             f"Received: --bandwidth={FLAGS.bandwidth} without --local")
     if FLAGS.kubernetes_manifest:
         return _write_manifests(command)
     if FLAGS.local:

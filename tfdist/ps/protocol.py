@@ -233,8 +233,8 @@ def compare_specs(run_spec, spec):
                 return (f"variable {path!r} has {field} {mine[path].get(field)!r}, in the run "
                         f"{theirs[path].get(field)!r} (the same `variable_partitioner` "
                         "everywhere?)" if field == "rows" else
-                        f"variable {path!r} has {field} {mine[path][field]!r}, in the run "
-                        f"{theirs[path][field]!r}")
+                        f"variable {path!r} has {field} {mine[path].get(field)!r}, in the run "
+                        f"{theirs[path].get(field)!r}")
     if [e["path"] for e in spec["variables"]] != [e["path"] for e in run_spec["variables"]]:
         return "it created the same variables in another order"
     return None

@@ -535,9 +535,9 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         dense = [v._tfdist_path for v in sparse if id(v) not in pushed_sparse]
         if dense and not getattr(self, "_warned_sparse", False):
             self._warned_sparse = True
-            log.warning("tfdist: the gradients of %s are sparse (embedding rows); with "
-                        "compression a push carries them dense, the whole variable each "
-                        "step", dense)
+            log.warning("tfdist: the gradients of %s are sparse (embedding rows) but are "
+                        "pushed dense, the whole variable each step (a compressor codes dense "
+                        "vectors; or the run's first trace gave them dense)", dense)
         # A sparse gradient pushed dense is made dense once, not once per part.
         gradients = {id(v): g if id(v) in pushed_sparse or not isinstance(g, tf.IndexedSlices)
                      else tf.convert_to_tensor(g) for v, g in step.recorded}
