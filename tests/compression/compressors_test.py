@@ -8,7 +8,7 @@ import tfdist
 from tfdist.compression import quantize
 
 ALL = [(name,) for name in ["none", "fp16", "bf16", "topk", "randomk", "threshold", "onebit",
-                            "signsgd", "terngrad", "qsgd", "powersgd", "dgc"]]
+                            "signsgd", "signsgd_mv", "terngrad", "qsgd", "powersgd", "dgc"]]
 GENERIC_MEMORY = [(name,) for name in ["fp16", "bf16", "topk", "randomk", "threshold",
                                        "onebit", "signsgd", "terngrad", "qsgd", "powersgd"]]
 
@@ -93,6 +93,10 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
         payloads = [compressor.compress(tf.random.stateless_normal([64, 32], seed=[i, 9]),
                                         key=key)[0] for i in range(3)]
         parts = [compressor.decompress(p, [64, 32], tf.float32, key) for p in payloads]
+        if compressor.aggregate == "majority vote":  # the vote, at the summed magnitude
+            votes = tf.sign(tf.add_n([tf.sign(p) for p in parts]))
+            scale = sum(float(p[1][0]) for p in payloads)
+            parts = [votes * scale]
         self.assertAllClose(compressor.decompress_sum(payloads, [64, 32], tf.float32, key),
                             tf.add_n(parts), atol=1e-6)
 
@@ -175,6 +179,19 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
         self.assertAllClose(compressor.decompress(payload, x.shape, x.dtype),
                             [0.25, 0, 0, -0.25])
         self.assertAllClose(state["residual"], [0.25, -0.05, 0.2, -0.05])
+
+    def test_majority_vote_outvotes_a_replica(self):
+        # Three replicas; the third's signs are all wrong: the vote keeps the other two's.
+        compressor = tfdist.compression.get("signsgd_mv")
+        x = tf.constant([1.0, -2.0, 3.0, -4.0])
+        payloads = [compressor.compress(t)[0] for t in (x, 2 * x, -10 * x)]
+        got = compressor.decompress_sum(payloads, x.shape, x.dtype)
+        scale = 2.5 + 5.0 + 25.0  # each replica's mean |x|
+        self.assertAllClose(got, np.sign(x.numpy()) * scale)
+        with self.assertRaisesRegex(ValueError, r"`compression`='signsgd_mv' combines the "
+                                                r"replicas' payloads by majority vote.*"
+                                                r"Allowed here: \["):
+            tfdist.strategies.parameter_server.push_compressor("signsgd_mv")
 
     def test_onebit_reconstruction_values(self):
         x = tf.constant([1.0, 3.0, -2.0, -4.0, 2.0])

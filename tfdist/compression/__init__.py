@@ -14,6 +14,7 @@ from tfdist.compression.base import ErrorFeedback
 from tfdist.compression.powersgd import PowerSGDCompressor
 from tfdist.compression.quantize import BF16Compressor
 from tfdist.compression.quantize import FP16Compressor
+from tfdist.compression.quantize import MajorityVoteCompressor
 from tfdist.compression.quantize import NoCompression
 from tfdist.compression.quantize import OneBitCompressor
 from tfdist.compression.quantize import QSGDCompressor
@@ -30,7 +31,7 @@ from tfdist.compression.sparsify import TopKCompressor
 
 for _cls in (NoCompression, FP16Compressor, BF16Compressor, TopKCompressor, RandomKCompressor,
              ThresholdCompressor, OneBitCompressor, SignSGDCompressor, TernGradCompressor,
-             QSGDCompressor, PowerSGDCompressor, DGCCompressor):
+             QSGDCompressor, PowerSGDCompressor, DGCCompressor, MajorityVoteCompressor):
     register(_cls.name, _cls)
 del _cls
 
@@ -41,6 +42,7 @@ __all__ = [
     "DGCCompressor",
     "ErrorFeedback",
     "FP16Compressor",
+    "MajorityVoteCompressor",
     "NoCompression",
     "OneBitCompressor",
     "PowerSGDCompressor",

@@ -69,6 +69,7 @@ class Compressor:
     variable_size = False  # the payload's size follows the data
     own_memory = False  # the compressor keeps its own residual (DGC's accumulation)
     per_tensor = False
+    aggregate = "sum"  # how the replicas' payloads combine (signsgd_mv: "majority vote")
 
     def __init__(self, error_feedback=None, min_size=0, exclude=()):
         if error_feedback is None:

@@ -9,6 +9,7 @@ Payload sizes are for a gradient of n elements (b bytes each):
 | `bf16` | bfloat16 cast | 2 n | yes |
 | `onebit` | sign bits + mean of the positive and of the negative entries | ceil(n/8) + 8 | no |
 | `signsgd` | sign bits + mean absolute value | ceil(n/8) + 4 | no |
+| `signsgd_mv` | as `signsgd`; the replicas' signs combined by majority vote | ceil(n/8) + 4 | no |
 | `terngrad` | 2-bit ternary codes + max |x| (clipped at 2.5 rms) | ceil(n/4) + 4 | no |
 | `qsgd` | int8 signed levels + the L2 norm of each bucket of d (512) | n + 4 ceil(n/d) | no |
 """
@@ -206,6 +207,33 @@ class SignSGDCompressor(_SignBitsCompressor):
 
     def _levels(self, scales):
         return scales[0], -scales[0]
+
+
+class MajorityVoteCompressor(SignSGDCompressor):
+    """signSGD with majority vote (Bernstein et al. 2018, 2019).
+
+    Each replica sends the signs of its gradient (and its mean |x|); every replica then takes
+    the sign the majority voted for, element by element, as the direction of the update: a
+    replica's wrong or adversarial signs are outvoted, and only one bit per element per
+    replica crosses the network. What comes back stands for the sum of the replicas'
+    gradients: the vote times the sum of their mean magnitudes (a tie gives 0). Without error
+    feedback by default, as in the paper (whose update is lr * vote: set the learning rate
+    for a step of mean |g| per replica). Payload as `signsgd`: ceil(n/8) + 4 bytes; all-gathered.
+    Not on the parameter-server push path (the ps sums decoded pushes; it takes no vote).
+    """
+
+    name = "signsgd_mv"
+    aggregate = "majority vote"
+
+    def __init__(self, error_feedback=False, **kwargs):
+        super().__init__(error_feedback=error_feedback, **kwargs)
+
+    def _decompress_sum(self, payloads, shape, dtype, key):
+        del key
+        size = _size(shape)
+        votes = tf.add_n([_unpack("bits", bits, size) * 2 - 1 for bits, _ in payloads])
+        scale = tf.add_n([scales[0] for _, scales in payloads])
+        return tf.reshape(tf.cast(tf.sign(votes) * scale, dtype), shape)
 
 
 class TernGradCompressor(Compressor):

@@ -50,6 +50,14 @@ def _check_positive(name, value):
 def push_compressor(compression):
     """The compressor for the ps push path, or None; refuses those that need all-reduce."""
     compressor = compression_lib.get(compression)
+    if compressor is not None and compressor.aggregate != "sum":
+        allowed = [name for name in compression_lib.names()
+                   if compression_lib.get(name).elementwise
+                   and compression_lib.get(name).aggregate == "sum"]
+        raise ValueError(
+            f"`compression`={compressor.name!r} combines the replicas' payloads by "
+            f"{compressor.aggregate}, which every replica takes from all the others (an "
+            f"all-gather); a ps averages the pushes it decodes. Allowed here: {allowed}")
     if compressor is not None and not compressor.elementwise:
         allowed = [name for name in compression_lib.names()
                    if compression_lib.get(name).elementwise]
