@@ -4,6 +4,7 @@ gradient's rows land in place on the ps."""
 import numpy as np
 import tensorflow as tf
 
+import tfdist
 from tfdist.ps import protocol
 
 
@@ -55,6 +56,42 @@ class SparseRowsTest(tf.test.TestCase):
         self.assertEqual(protocol.compare_specs(spec, {"variables": [{**entry,
                                                                       "sparse": True}]}),
                          "variable 'e' has sparse True, in the run None")
+
+
+class CompressedPushTest(tf.test.TestCase):
+
+    def _layout(self):
+        return protocol.ShardLayout([
+            {"path": "model/big/kernel", "shape": [64, 32], "dtype": "float32",
+             "role": "gradient"},
+            {"path": "model/small/kernel", "shape": [16, 8], "dtype": "float32",
+             "role": "gradient"},
+            {"path": "model/big/bias", "shape": [32], "dtype": "float32", "role": "gradient"}])
+
+    def test_each_variable_gets_its_own_scale_and_small_ones_go_raw(self):
+        # A layer whose gradient is 1000x smaller than the other's keeps its direction: the
+        # quantiser codes it with its own norm. The bias, under min_size, travels exactly.
+        layout = self._layout()
+        qsgd = tfdist.compression.get("qsgd", min_size=64)
+        self.assertEqual(protocol.push_units(layout, qsgd), ([[0], [1]], [2]))
+        self.assertEqual(protocol.compressed_push_dtypes(layout, qsgd),
+                         [tf.int8, tf.float32, tf.int8, tf.float32, tf.float32])
+        big, small, bias = (tf.random.stateless_normal(s, seed=[i, 1]) * scale
+                            for i, (s, scale) in enumerate([([2048], 1.0), ([128], 1e-3),
+                                                            ([32], 1.0)]))
+        main = tf.concat([big, small, bias], 0)
+        key = tf.constant([5, 1], tf.int64)
+        states = [qsgd.initial_state([2048], tf.float32), qsgd.initial_state([128], tf.float32)]
+        payload, _ = protocol.encode_push(layout, qsgd, main, states, key)
+        decoded = protocol.decode_push(layout, qsgd, payload, key)
+        got_small = decoded[2048:2176]
+        cosine = float(tf.reduce_sum(got_small * small)
+                       / (tf.norm(got_small) * tf.norm(small)))
+        self.assertGreater(cosine, 0.9)
+        self.assertAllEqual(decoded[2176:], bias)
+        # A top-k ranks over the whole shard: one unit.
+        topk = tfdist.compression.get("topk")
+        self.assertEqual(protocol.push_units(layout, topk), ([[0, 1, 2]], []))
 
 
 if __name__ == "__main__":

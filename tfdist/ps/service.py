@@ -122,8 +122,8 @@ class ShardUpdater:
         self.failure = None
         self.finished = threading.Event()
         self.created = time.monotonic()
-        payload_dtypes = (self.compressor.payload_dtypes(tf.float32) if self.compressor
-                          else [tf.float32])
+        payload_dtypes = (protocol.compressed_push_dtypes(self.layout, self.compressor)
+                          if self.compressor else [tf.float32])
         self.push_dtypes = protocol.push_dtypes(payload_dtypes, len(self.layout.sparse))
         name = lambda n: protocol.run_name(run, n)  # noqa: E731
         with tf.device(self.device):
@@ -307,9 +307,8 @@ class ShardUpdater:
         if self.compressor is None:
             pairs = list(zip(payload[1::2], payload[2::2]))
             return self.layout.densify(payload[0], pairs)
-        return self.compressor.decompress(payload, [self.layout.main_size], tf.float32,
-                                          push_key(tag, rank, self.spec["shard"],
-                                                   self.num_workers))
+        return protocol.decode_push(self.layout, self.compressor, payload,
+                                    push_key(tag, rank, self.spec["shard"], self.num_workers))
 
     def _send(self, rank, step, values, message=""):
         """Enqueues a reply to worker `rank` with `values` at global step `step`; with

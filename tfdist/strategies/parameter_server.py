@@ -380,9 +380,9 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                             variable.follow()
             self._clients = clients
             self._layouts = [protocol.ShardLayout(e) for e in entries]
-            dtypes = (self._compressor.payload_dtypes(tf.float32) if self._compressor
-                      else [tf.float32])
             for client, layout in zip(clients, self._layouts):
+                dtypes = (protocol.compressed_push_dtypes(layout, self._compressor)
+                          if self._compressor else [tf.float32])
                 client.open_push_queue(dtypes, len(layout.sparse))
             self._residuals = [None] * len(clients)
             self._pull()
@@ -588,19 +588,25 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         return tf.group(updates)
 
     def _compress(self, shard, flat, tag):
-        """Compresses this worker's part for `shard`; its residual stays with the worker."""
+        """Compresses this worker's part for `shard`, variable by variable where the codec's
+        scale is each tensor's own (`protocol.push_units`); residuals stay with the worker."""
         compressor = self._compressor
+        layout = self._layouts[shard]
         if self._residuals[shard] is None:
+            units, _ = protocol.push_units(layout, compressor)
             with tf.init_scope(), tf.device(self._device):
-                initial = compressor.initial_state(flat.shape, flat.dtype)
-                self._residuals[shard] = {
-                    name: tf.Variable(value, trainable=False, name=f"tfdist_{name}")
-                    for name, value in initial.items()}
+                self._residuals[shard] = [
+                    {name: tf.Variable(value, trainable=False, name=f"tfdist_{name}")
+                     for name, value in compressor.initial_state(
+                         [sum(layout.main_sizes[i] for i in unit)], tf.float32).items()}
+                    for unit in units]
         states = self._residuals[shard]
         key = push_key(tag, self._connection.rank, shard, self._connection.num_workers)
-        payload, new_state = compressor.compress(
-            flat, {name: v.read_value() for name, v in states.items()}, key)
-        return payload, [states[name].assign(new_state[name]) for name in states]
+        payload, new_states = protocol.encode_push(
+            layout, compressor, flat, [{n: v.read_value() for n, v in unit.items()}
+                                       for unit in states], key)
+        return payload, [unit[n].assign(new[n]) for unit, new in zip(states, new_states)
+                         for n in unit]
 
     def _base(self, shard):
         """Model averaging with compression: the shard's model at the last average."""
