@@ -1,6 +1,8 @@
 """Tests of TF_CONFIG parsing, validation and building."""
 
 import json
+import random
+from unittest import mock
 
 import tensorflow as tf
 from absl.testing import parameterized
@@ -10,8 +12,10 @@ from hypothesis import strategies as st
 
 from tfdist.cluster import ClusterConfig
 from tfdist.cluster import TFConfigError
+from tfdist.cluster import network
 from tfdist.cluster import parse_address
 from tfdist.cluster import parse_tf_config
+from tfdist.cluster import pick_free_ports
 
 GOOD = {
     "cluster": {"chief": ["host0:2222"], "worker": ["host1:2222", "host2:2222"],
@@ -137,6 +141,23 @@ class ParseTest(tf.test.TestCase, parameterized.TestCase):
         else:
             self.assertTrue(host)
             self.assertBetween(port, 1, 65535)
+
+
+class FreePortsTest(tf.test.TestCase, parameterized.TestCase):
+
+    @parameterized.parameters(((32768, 60999), (15000, 30000)), ((1024, 60999), (61000, 65535)),
+                              ((10000, 65535), (1024, 9999)), ((1024, 65535), (1024, 65535)),
+                              ((14000, 64999), (1024, 13999)))
+    def test_ports_come_from_outside_any_ephemeral_range(self, ephemeral, expected):
+        # Ports are picked outside the range where outgoing connections take theirs, wherever
+        # the machine puts it (`ip_local_port_range` starting below 15000 once failed).
+        with mock.patch.object(network, "_ephemeral_range", return_value=ephemeral), \
+                mock.patch.object(network, "_port_is_free", return_value=True):
+            self.assertEqual(network._port_range(), expected)
+            ports = pick_free_ports(5, rng=random.Random(0))
+        self.assertLen(set(ports), 5)
+        for port in ports:
+            self.assertBetween(port, *expected)
 
 
 if __name__ == "__main__":

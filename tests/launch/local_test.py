@@ -83,7 +83,7 @@ class LocalClusterTest(tf.test.TestCase):
             self.assertLess(time.monotonic() - start, 10)
         self.assertEqual(result.failed_task, "worker:1")
         self.assertIn("signal SIGKILL", result.message)
-        self.assertNotEqual(result.returncode, 0)
+        self.assertEqual(result.returncode, 128 + signal.SIGKILL)  # as a shell reports it
         self._assert_torn_down(cluster)
 
     def test_timeout_bounds_the_run_and_kills_grandchildren(self):
@@ -198,6 +198,31 @@ class LauncherCliTest(tf.test.TestCase):
                            "-c", "import os; print(os.environ['TF_CONFIG'])")
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertIn('"task": {"index": 1, "type": "worker"}', result.stdout)
+
+    def test_a_signal_to_the_launcher_stops_every_task_with_its_exit_code(self):
+        # SIGTERM gives 143 and SIGHUP (a closed terminal) 129, as a shell reports them;
+        # the worker is gone afterwards.
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            process = subprocess.Popen(
+                [sys.executable, "-m", "tfdist.launch", "--local", "--num_ps=0",
+                 "--num_workers=1", "--timeout=60", "--noisolate_network", "--", "python",
+                 "-c", "import os, time; print('PID', os.getpid(), flush=True); "
+                 "time.sleep(60)"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                line = process.stdout.readline()
+                while line and "PID" not in line:
+                    line = process.stdout.readline()
+                worker = int(line.split()[-1])
+                process.send_signal(sig)
+                self.assertEqual(process.wait(timeout=30), 128 + sig)
+                self.assertIn(f"{signal.Signals(sig).name}; every task stopped",
+                              process.stderr.read())
+            finally:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+            self.assertFalse(_alive(worker))
 
     def test_ps_form_serves_until_sigterm(self):
         from tfdist.cluster import pick_free_ports

@@ -22,6 +22,20 @@ def _ephemeral_range():
         return 32768, 60999
 
 
+def _port_range(enough=1000):
+    """Where to pick ports: outside the ephemeral range, wherever this machine puts it.
+
+    15000-30000 below it when that leaves `enough` ports; else above it; else below it
+    from 1024; else (an ephemeral range over every port) anywhere from 1024.
+    """
+    ephemeral_low, ephemeral_high = _ephemeral_range()
+    for low, high in ((_LOW_PORT, min(_HIGH_PORT, ephemeral_low - 1)),
+                      (ephemeral_high + 1, 65535), (1024, ephemeral_low - 1)):
+        if high - low + 1 >= enough:
+            return low, high
+    return 1024, 65535
+
+
 def _port_is_free(port):
     # TF servers listen on every interface, so the port must be free on the wildcard address.
     for family, host in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
@@ -48,7 +62,7 @@ def pick_free_ports(count, rng=None):
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"`count` must be a positive integer. Received: {count!r}")
     rng = rng or random.Random()
-    low, high = _LOW_PORT, min(_HIGH_PORT, _ephemeral_range()[0] - 1)
+    low, high = _port_range()
     ports = []
     for _ in range(200 * count):
         port = rng.randint(low, high)

@@ -300,8 +300,10 @@ class LocalCluster:
                 if failed and first_failure is None:
                     task = failed[0]
                     code = task.process.returncode
+                    # As a POSIX shell reports it: a task killed by signal n gives 128 + n.
                     first_failure = LocalClusterResult(
-                        returncode=code if code and code > 0 else 1, failed_task=task.name,
+                        returncode=code if code and code > 0 else 128 - code if code else 1,
+                        failed_task=task.name,
                         message=f"task {task.name} exited with {_signal_name(code)}")
                     if self.stop_on_failure or task in ps_tasks:
                         self._announce(f"{first_failure.message}; stopping the other tasks")

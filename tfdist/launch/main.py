@@ -158,16 +158,23 @@ def _run_local(command):
             "`isolate_network` 'auto' or True. Received: isolate_network=False",
             "the private network. Received: --noisolate_network")) from None
 
+    received = []
+
     def _terminate(signum, frame):
+        received.append(signum)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _terminate)
+    # A closed terminal (SIGHUP) stops the cluster as SIGTERM does.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _terminate)
     try:
         with cluster:
             result = cluster.wait()
     except KeyboardInterrupt:
-        print("[tfdist-launch] interrupted; every task stopped", file=sys.stderr)
-        return 130
+        sig = received[0] if received else signal.SIGINT
+        print(f"[tfdist-launch] {signal.Signals(sig).name}; every task stopped",
+              file=sys.stderr)
+        return 128 + sig  # as a POSIX shell reports a signal: 130 SIGINT, 143 SIGTERM
     except IsolationUnavailable as e:
         print(f"[tfdist-launch] cannot start the cluster: {e}", file=sys.stderr)
         return 1
