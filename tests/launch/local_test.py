@@ -29,6 +29,15 @@ def _alive(pid):
         return False
 
 
+def _line_with(process, text):
+    """The first line of `process`'s output holding `text` (the launcher's --timeout bounds
+    the wait: at its end the output closes)."""
+    line = process.stdout.readline()
+    while line and text not in line:
+        line = process.stdout.readline()
+    return line
+
+
 def _python(code):
     return [sys.executable, "-c", code]
 
@@ -210,10 +219,7 @@ class LauncherCliTest(tf.test.TestCase):
                  "time.sleep(60)"],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:
-                line = process.stdout.readline()
-                while line and "PID" not in line:
-                    line = process.stdout.readline()
-                worker = int(line.split()[-1])
+                worker = int(_line_with(process, "PID").split()[-1])
                 process.send_signal(sig)
                 self.assertEqual(process.wait(timeout=30), 128 + sig)
                 self.assertIn(f"{signal.Signals(sig).name}; every task stopped",
@@ -223,6 +229,35 @@ class LauncherCliTest(tf.test.TestCase):
                     process.kill()
                     process.wait()
             self.assertFalse(_alive(worker))
+
+    def test_no_task_outlives_a_killed_launcher(self):
+        # SIGKILL (an OOM kill, a CI's kill -9) gives the launcher no chance to clean up: its
+        # ps and worker must still go, by the parent-death signal, and their ports close.
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tfdist.launch", "--local", "--num_ps=1", "--num_workers=1",
+             "--timeout=120", "--noisolate_network", "--", "python", "-c",
+             "import json, os, time; print('PID', os.getpid(), json.loads(os.environ["
+             "'TF_CONFIG'])['cluster']['ps'][0], flush=True); time.sleep(120)"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            line = _line_with(process, "PID")
+            worker, ps_address = int(line.split()[-2]), line.split()[-1]
+            with open(f"/proc/{process.pid}/task/{process.pid}/children") as f:
+                tasks = [int(pid) for pid in f.read().split()]
+            self.assertIn(worker, tasks)
+            self.assertLen(tasks, 2)
+            process.kill()
+            process.wait(10)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and (any(_alive(pid) for pid in tasks)
+                                                   or is_listening(ps_address)):
+                time.sleep(0.1)
+            self.assertFalse([pid for pid in tasks if _alive(pid)], "a task outlived it")
+            self.assertFalse(is_listening(ps_address), f"{ps_address} still listens")
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
     def test_ps_form_serves_until_sigterm(self):
         from tfdist.cluster import pick_free_ports

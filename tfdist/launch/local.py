@@ -15,6 +15,7 @@ block: no process or open port outlives it.
 """
 
 import contextlib
+import ctypes
 import dataclasses
 import os
 import signal
@@ -61,6 +62,21 @@ class LocalClusterResult:
     message: str = ""
     task_returncodes: Dict[str, Optional[int]] = dataclasses.field(default_factory=dict)
     timed_out: bool = False
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent):
+    """For `preexec_fn`: the child is sent SIGTERM when its launcher dies, however it dies
+    (Linux's parent-death signal: an OOM kill or `kill -9` of the launcher leaves no task
+    behind), and exits at once if the launcher is already gone. The signal follows the
+    launcher's thread that started the task: start clusters from a thread that lives on."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if hasattr(libc, "prctl"):
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 class _Task:
@@ -199,7 +215,13 @@ class LocalCluster:
         env.update(TASK_ENVIRONMENT)
         env.update(self.env)
         env["TF_CONFIG"] = config.to_json()
-        preexec = self.network.enter_in_child if self.network is not None else None
+        network, launcher = self.network, os.getpid()
+
+        def preexec():
+            _die_with(launcher)
+            if network is not None:
+                network.enter_in_child()
+
         self._tasks[name] = _Task(name, argv, env, self.output, self.lines, self._lock, self.cwd,
                                   preexec)
 
