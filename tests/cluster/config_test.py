@@ -95,12 +95,30 @@ class ParseTest(tf.test.TestCase, parameterized.TestCase):
         ("gap_in_index_map", {"cluster": {"worker": {"0": "a:1", "2": "b:1"}}}, "without gaps"),
         ("two_chiefs", {"cluster": {"chief": ["a:1", "b:1"]}}, "holds at most one task"),
         ("address_not_string", {"cluster": {"worker": [2222]}}, "must be a 'host:port' string"),
+        ("port_arabic_indic_digit", {"cluster": {"worker": ["a:\u0663"]}}, "ASCII digits"),
+        ("port_superscript", {"cluster": {"worker": ["a:\u00b2"]}}, "ASCII digits"),
+        ("only_ps", {"cluster": {"ps": ["a:1"]}}, "no task that trains: it needs a 'chief' or "
+                                                  "'worker' job. Received jobs: \\['ps'\\]"),
+        ("rpc_layer_not_string", {"cluster": {"worker": ["a:1"]}, "rpc_layer": 5},
+         "`rpc_layer` must be a string. Received: 5 of type int"),
+        ("environment_not_string", {"cluster": {"worker": ["a:1"]}, "environment": ["x"]},
+         "`environment` must be a string"),
+        ("task_is_list", {"cluster": {"worker": ["a:1"]}, "task": []}, "`task` must be an object"),
+        ("unknown_task_key", {"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "id": 0}},
+         r"among \['type', 'index', 'trial'\]. Received unknown key\(s\): \['id'\]"),
     )
     def test_bad_config_names_the_field(self, value, message):
         if isinstance(value, dict):
             value = json.dumps(value)
         with self.assertRaisesRegex(TFConfigError, message):
             parse_tf_config(value)
+
+    def test_valid_configs_that_look_odd(self):
+        # A fully qualified name ending in the root's dot, a trial key, a string environment.
+        config = parse_tf_config({"cluster": {"worker": ["w-0.job.svc.cluster.local.:2222"]},
+                                  "task": {"type": "worker", "index": 0, "trial": "1"},
+                                  "environment": "cloud", "rpc_layer": "grpc"})
+        self.assertEqual(config.task_address, "w-0.job.svc.cluster.local.:2222")
 
     def test_missing_environment_variable(self):
         with tf.compat.v1.test.mock.patch.dict("os.environ", {}, clear=True):

@@ -70,14 +70,15 @@ def parse_address(address, field="address"):
         host, sep, port_text = address.rpartition(":")
         if not sep or not host:
             raise TFConfigError(f"`{field}` must be 'host:port'. Received: {address!r}")
-        if not _HOSTNAME_RE.match(host):
+        # A fully qualified name may end in the root's dot (w-0.job.svc.cluster.local.).
+        if not _HOSTNAME_RE.match(host[:-1] if host.endswith(".") else host):
             raise TFConfigError(
                 f"`{field}` has a malformed host {host!r} (letters, digits, '.', '-', '_'; "
                 f"IPv6 in brackets). Received: {address!r}"
             )
-    if not port_text.isdigit():
+    if not (port_text.isascii() and port_text.isdigit()):
         raise TFConfigError(
-            f"`{field}` must end in a numeric port. Received: {address!r}"
+            f"`{field}` must end in a numeric port (ASCII digits 0-9). Received: {address!r}"
         )
     port = int(port_text)
     if not 1 <= port <= 65535:
@@ -211,21 +212,34 @@ class ClusterConfig:
         if "cluster" not in value:
             raise TFConfigError("TF_CONFIG has no `cluster` key. Received keys: "
                                 f"{sorted(value)}")
-        task = value.get("task") or {}
+        task = value.get("task")
+        task = {} if task is None else task
         if not isinstance(task, Mapping):
-            raise TFConfigError(f"`task` must be an object. Received: {task!r}")
+            raise TFConfigError(f"`task` must be an object ({{'type': ..., 'index': ...}}). "
+                                f"Received: {task!r}")
         unknown = set(task) - {"type", "index", "trial"}
         if unknown:
             raise TFConfigError(
-                f"`task` keys must be among ['type', 'index']. Received unknown key(s): "
-                f"{sorted(unknown)}"
+                f"`task` keys must be among ['type', 'index', 'trial']. Received unknown "
+                f"key(s): {sorted(unknown)}"
             )
-        return cls(
+        for key in ("rpc_layer", "environment"):
+            if value.get(key) is not None and not isinstance(value[key], str):
+                raise TFConfigError(f"`{key}` must be a string. Received: {value[key]!r} of "
+                                    f"type {type(value[key]).__name__}")
+        config = cls(
             cluster=value["cluster"],
             task_type=task.get("type"),
             task_index=task.get("index"),
             rpc_layer=value.get("rpc_layer"),
         )
+        # (A ps started from host flags may know only the ps job; a TF_CONFIG describes the
+        # whole cluster.)
+        if not set(config.cluster) & {"chief", "worker"}:
+            raise TFConfigError(
+                f"`cluster` has no task that trains: it needs a 'chief' or 'worker' job. "
+                f"Received jobs: {sorted(config.cluster)}")
+        return config
 
     @classmethod
     def from_hosts(cls, ps_hosts=(), worker_hosts=(), chief_host=None, job_name=None,

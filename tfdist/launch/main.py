@@ -144,6 +144,7 @@ def _run_local(command):
     if not command:
         raise app.UsageError("--local needs the worker command after `--`, e.g. "
                              "`tfdist-launch --local -- python train.py`")
+    from tfdist.cluster import TaskUnreachableError
     from tfdist.launch.isolation import IsolationUnavailable
 
     try:
@@ -175,7 +176,7 @@ def _run_local(command):
         print(f"[tfdist-launch] {signal.Signals(sig).name}; every task stopped",
               file=sys.stderr)
         return 128 + sig  # as a POSIX shell reports a signal: 130 SIGINT, 143 SIGTERM
-    except IsolationUnavailable as e:
+    except (IsolationUnavailable, TaskUnreachableError) as e:
         print(f"[tfdist-launch] cannot start the cluster: {e}", file=sys.stderr)
         return 1
     if result.returncode:
