@@ -112,6 +112,9 @@ class IsolationTest(tf.test.TestCase):
             open(done, "w").close()
             result = cluster.wait()
         self.assertEqual(result.returncode, 0, cluster.lines)
+        # The user is told at start that the script has no network beyond the cluster.
+        self.assertTrue(any(task == "tfdist-launch" and "--noisolate_network" in line
+                            for task, line in cluster.lines), cluster.lines)
 
 
 class BandwidthTest(tf.test.TestCase):

@@ -241,6 +241,12 @@ class LocalCluster:
                     raise IsolationUnavailable(e.errno, message) from None
                 if self.bandwidth is not None:
                     self.network.limit_bandwidth(self.bandwidth)
+                if self.network is not None:
+                    self._announce(
+                        "the tasks run in a private network with only a loopback: they reach "
+                        "each other, and nothing else (no downloads, no logging services); "
+                        "--noisolate_network / isolate_network=False gives them this "
+                        "machine's network")
             for i in range(self.config.num_ps):
                 argv = [sys.executable, "-m", "tfdist.launch", "--job_name=ps",
                         f"--task_index={i}", "--ps_hosts=" + ",".join(self.config.cluster["ps"])]
