@@ -105,7 +105,12 @@ class _CompressedExchangeMixin:
             return
         self._checked_momentum = True
         inner = getattr(optimizer, "inner_optimizer", optimizer)
-        momentum = getattr(inner, "momentum", None) if type(inner).__name__ == "SGD" else None
+        import keras
+
+        # An SGD (or a subclass) has only the momentum it is given; other optimizers keep
+        # moment estimates of their own.
+        momentum = (getattr(inner, "momentum", None)
+                    if isinstance(inner, keras.optimizers.SGD) else None)
         if momentum == 0:
             return
         what = (f"SGD with momentum={momentum}" if momentum is not None
