@@ -5,6 +5,12 @@ hook for where its optimizer lives. Each import below says why it is needed, so 
 TensorFlow or Keras upgrade touches this file only.
 """
 
+# Codec state saves itself with its optimizer: the class Keras's saving walks into (and,
+# below, the base class whose `_serialize_to_tensors` a `tf.train.Checkpoint` calls). Its
+# variables are made while a step is traced, maybe after a checkpoint was restored, so it
+# saves itself as one entry rather than as variables.
+from keras.src.saving.keras_saveable import KerasSaveable  # noqa: F401
+
 # A strategy is a `tf.distribute.Strategy` over a `StrategyExtended`; the one-device extended
 # is the base of the parameter-server family (one replica per worker process).
 from tensorflow.python.distribute import distribute_lib  # noqa: F401
@@ -22,6 +28,9 @@ from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable  # 
 # A worker's mirror of a master variable is a local resource variable whose eager reads and
 # writes outside a step go to the master: a subclass of the concrete class.
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable  # noqa: F401
+
+# (Codec state, as above: what `tf.train.Checkpoint` saves.)
+from tensorflow.python.trackable.base import Trackable  # noqa: F401
 
 
 def set_handle_shape_and_dtype(handle, shape, dtype):
@@ -82,6 +91,20 @@ def keras_gradient_all_reduce(strategy):
                         found = "outside"
             frame = frame.f_back
     return found
+
+
+def keras_variable_paths(optimizer, variables):
+    """The Keras paths (`model/layer/kernel`) of the TF `variables` an optimizer updates.
+
+    Keras 3's TF optimizer hands the strategy each Keras variable's TF storage
+    (`variable.value`); its path is on the Keras variable. A variable the optimizer does not
+    know keeps its TF name.
+    """
+    paths = {}
+    for keras_variable in getattr(optimizer, "_trainable_variables", None) or ():
+        if isinstance(getattr(keras_variable, "path", None), str):
+            paths[id(getattr(keras_variable, "value", None))] = keras_variable.path
+    return [paths.get(id(v), v.name.split(":")[0]) for v in variables]
 
 
 def keras_variable_path(name):

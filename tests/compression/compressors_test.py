@@ -145,6 +145,59 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(sizes[4:], [10, 10])
         self.assertEqual(sizes, sorted(sizes, reverse=True))
 
+    def test_dgc_leaves_the_full_top_k_after_its_warm_up(self):
+        # The sampled top-k (fast past 50 k elements) needs k known when the step is traced:
+        # during the warm-up k follows the step, after it k is the final one.
+        from tfdist.compression import sparsify
+
+        compressor = tfdist.compression.get("dgc", ratio=0.01, warmup_steps=2)
+        x = tf.random.stateless_normal([60_000], seed=[2, 2])
+        state = compressor.initial_state(x.shape, x.dtype)
+        calls = []
+        original = sparsify.top_k_indices
+
+        def spy(magnitudes, k):
+            calls.append(k)
+            return original(magnitudes, k)
+
+        sparsify.top_k_indices = spy
+        try:
+            sizes = []
+            for _ in range(4):
+                payload, state = compressor.compress(x, state)
+                sizes.append(int(tf.size(payload[0])))
+        finally:
+            sparsify.top_k_indices = original
+        self.assertEqual(calls, [600, 600])  # steps 2 and 3, eagerly one branch each
+        self.assertEqual(sizes[2:], [600, 600])
+
+    def test_indices_past_two_to_the_31_are_int64(self):
+        # A tensor of 2^31 elements takes 8 GiB; the limit is lowered to show the int64 path.
+        from tfdist.compression import sparsify
+
+        x = tf.random.stateless_normal([5000], seed=[5, 5])
+        expected = {}
+        for limit in (sparsify.INT32_LIMIT, 1000):
+            original, sparsify.INT32_LIMIT = sparsify.INT32_LIMIT, limit
+            try:
+                for name, config in (("topk", {}), ("randomk", {}), ("dgc", {}),
+                                     ("threshold", {"threshold": 1.5})):
+                    compressor = tfdist.compression.get(name, **config)
+                    payload, _ = compressor.compress(x)
+                    index = tf.int32 if limit > 5000 else tf.int64
+                    self.assertEqual(payload[-1].dtype if name != "randomk" else index, index)
+                    self.assertEqual(tuple(t.dtype for t in payload),
+                                     compressor.payload_dtypes(tf.float32, x.shape))
+                    self.assertEqual(nbytes(payload) if not compressor.variable_size else 0,
+                                     0 if compressor.variable_size
+                                     else compressor.payload_bytes(x.shape, tf.float32))
+                    decoded = compressor.decompress_sum([payload, payload], x.shape, x.dtype)
+                    if name in expected:
+                        self.assertAllEqual(decoded, expected[name])
+                    expected[name] = decoded
+            finally:
+                sparsify.INT32_LIMIT = original
+
     def test_topk_sends_the_largest(self):
         x = tf.constant([0.1, -5.0, 0.2, 3.0, -0.3, 0.0, 1.0, 0.05, 0.0, 0.0])
         compressor = tfdist.compression.get("topk", ratio=0.2)

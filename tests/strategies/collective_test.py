@@ -36,6 +36,12 @@ def build(strategy, optimizer="sgd", width=16):
     return model
 
 
+def codec_state(strategy):
+    """The one optimizer's codec state of a strategy that trained one model."""
+    (state,) = strategy.extended.compression_states()
+    return state
+
+
 def train(strategy, optimizer="sgd", epochs=2, width=16, run_eagerly=False):
     x, y = collective_program.data()
     model = build(strategy, optimizer, width)
@@ -142,7 +148,7 @@ class CompressedMirroredTest(tf.test.TestCase, parameterized.TestCase):
         for a, b in zip(before, model.get_weights()):
             self.assertAllEqual(a, b)
         self.assertLess(float(optimizer.dynamic_scale.numpy()), 2.0 ** 127)
-        states = strategy.extended._exchange.states.variables
+        states = codec_state(strategy).variables
         for key, variables in states.items():
             for state_name, variable in variables.items():
                 for part in strategy.experimental_local_results(variable):
@@ -164,7 +170,7 @@ class CompressedMirroredTest(tf.test.TestCase, parameterized.TestCase):
     def test_residuals_are_per_replica(self):
         strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression="topk")
         train(strategy, epochs=1)
-        states = strategy.extended._exchange.states.variables
+        states = codec_state(strategy).variables
         residuals = [v for variables in states.values()
                      for name, v in variables.items() if name == "residual"]
         self.assertLen(residuals, 1)  # one fused float32 vector, keyed by its variables
@@ -186,7 +192,7 @@ class CompressedMirroredTest(tf.test.TestCase, parameterized.TestCase):
                 from_logits=True))
         x, y = collective_program.data()
         history = model.fit(x, y, batch_size=32, epochs=1, verbose=0).history
-        states = strategy.extended._exchange.states.variables
+        states = codec_state(strategy).variables
         # Only the first kernel is compressed: the bias is under min_size, the head excluded.
         (key,) = [k for k in states if k != "step"]
         self.assertRegex(key[1][0], r"^sequential(_\d+)?/hidden/kernel$")
@@ -298,6 +304,147 @@ class CompressedMirroredTest(tf.test.TestCase, parameterized.TestCase):
         self.assertGreaterEqual(history["compression_ratio"][-1], 49)
 
 
+class CodecStateTest(tf.test.TestCase, parameterized.TestCase):
+    """Codec state saved and restored with its optimizer, reset, and the step's figures."""
+
+    def setUp(self):
+        super().setUp()
+        if not two_devices():
+            self.skipTest("needs two logical CPUs (set by tests/conftest.py)")
+
+    def _resume(self, name, save, load):
+        """Weights after 2 epochs straight, and after 1 epoch, `save`, a new strategy and
+        model, `load`, 1 more epoch (and after the same without `load`)."""
+        x, y = collective_program.data()
+
+        def fit(model, epochs=1):
+            model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0)
+
+        straight = build(tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression=name))
+        fit(straight, 2)
+        first = build(tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression=name))
+        fit(first)
+        saved = save(first)
+        resumed = build(tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression=name))
+        load(resumed, saved)
+        fit(resumed)
+        fresh = build(tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression=name))
+        fresh.set_weights(first.get_weights())
+        fit(fresh)
+        return straight.get_weights(), resumed.get_weights(), fresh.get_weights()
+
+    @parameterized.parameters(("topk",), ("dgc",), ("powersgd",))
+    def test_a_run_resumed_from_a_keras_file_continues_exactly(self, name):
+        directory = self.get_temp_dir()
+
+        def save(model):
+            path = os.path.join(directory, f"{name}.weights.h5")
+            model.save_weights(path)  # what BackupAndRestore writes
+            return path
+
+        straight, resumed, fresh = self._resume(name, save,
+                                                lambda model, path: model.load_weights(path))
+        for a, b in zip(straight, resumed):
+            self.assertAllEqual(a, b)
+        # Without the codec state (residuals, momentum, Q) the run goes elsewhere.
+        self.assertNotAllClose(straight[0], fresh[0])
+
+    def test_tf_train_checkpoint_restores_before_the_first_step(self):
+        directory = self.get_temp_dir()
+
+        def save(model):
+            checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+            return checkpoint.save(os.path.join(directory, "ckpt"))
+
+        def load(model, path):
+            tf.train.Checkpoint(model=model, optimizer=model.optimizer).restore(path)
+
+        straight, resumed, _ = self._resume("randomk", save, load)
+        for a, b in zip(straight, resumed):
+            self.assertAllEqual(a, b)  # the residual and the step key that draws the indices
+
+    def test_a_saved_model_reloads_in_plain_keras_and_under_tfdist(self):
+        strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression="topk")
+        model, _ = train(strategy, epochs=1)
+        path = os.path.join(self.get_temp_dir(), "model.keras")
+        model.save(path)
+        plain = keras.models.load_model(path)  # no tfdist: the codec state is not asked for
+        self.assertFalse(hasattr(plain.optimizer, "tfdist_compression_state"))
+        self.assertAllEqual(plain.optimizer.iterations, model.optimizer.iterations)
+        again = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression="topk")
+        with again.scope():
+            loaded = keras.models.load_model(path)
+        self.assertEqual(sorted(loaded.optimizer.tfdist_compression_state.values()),
+                         sorted(codec_state(strategy).values()))
+
+    def test_reset(self):
+        strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression="dgc")
+        train(strategy, epochs=1)
+        values = codec_state(strategy).values()
+        self.assertGreater(max(np.abs(v).max() for k, v in values.items() if "velocity" in k),
+                           0)
+        strategy.reset_compression_state()
+        for saved_name, value in codec_state(strategy).values().items():
+            self.assertAllEqual(value, np.zeros_like(value), msg=saved_name)
+
+    def test_two_optimizers_in_one_step_keep_their_own_state_and_add_their_bytes(self):
+        strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression="topk")
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16),
+                                      keras.layers.Dense(2)])
+            first, second = keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1)
+            first.build(model.trainable_variables[:2])
+            second.build(model.trainable_variables[2:])
+        x, y = collective_program.data()
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        logs = {}
+
+        @tf.function
+        def step(x, y):
+            def replica(x, y):
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(y, model(x))
+                grads = tape.gradient(loss, model.trainable_variables)
+                first.apply(grads[:2], model.trainable_variables[:2])
+                second.apply(grads[2:], model.trainable_variables[2:])
+                return {"loss": loss}
+            return strategy.run(replica, args=(x, y))
+
+        dataset = strategy.experimental_distribute_dataset(
+            tf.data.Dataset.from_tensor_slices((x, y)).batch(32))
+        for batch in dataset:
+            logs = step(*batch)
+        self.assertEqual(int(logs["bytes_dense"]), 4 * (8 * 16 + 16 + 16 * 2 + 2))
+        states = strategy.extended.compression_states()
+        self.assertLen(states, 2)
+        self.assertEqual([k for k in states[0].values() if "residual" in k],
+                         ["#0+#1[144]/residual/replica_0", "#0+#1[144]/residual/replica_1"])
+
+    def test_a_loss_scale_optimizer_step_logs_its_figures(self):
+        strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression="topk")
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+                keras.optimizers.SGD(0.1)), loss="mse")
+        x, _ = collective_program.data()
+        history = model.fit(x, np.zeros((len(x), 2)), batch_size=32, epochs=1,
+                            verbose=0).history
+        self.assertEqual(history["bytes_dense"][-1], 4 * (8 * 2 + 2))
+
+    def test_xla_on_gpus_is_refused_not_silently_uncompressed(self):
+        # TF all-reduces inside XLA (around the strategy's batch reduce) only when every
+        # replica is a GPU; this machine has none, so that decision is made here.
+        strategy = tfdist.strategies.CompressedMirroredStrategy(["/cpu:0"], compression="topk")
+        strategy.extended._use_merge_call = lambda: False
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+            model.compile(optimizer="sgd", loss="mse", jit_compile=True)
+        x, _ = collective_program.data()
+        with self.assertRaisesRegex(ValueError, r"`compression='topk'` cannot run inside an "
+                                                r"XLA-compiled step.*jit_compile=False"):
+            model.fit(x, np.zeros((len(x), 2)), batch_size=32, epochs=1, verbose=0)
+
+
 class KerasOptimizerFeaturesTest(keras_optimizer_tests.OptimizerDistributeTest):
     """Keras's own distributed-optimizer tests (weight decay, EMA, gradient accumulation,
     clipping), run under CompressedMirroredStrategy with fp16 compression."""
@@ -308,6 +455,13 @@ class KerasOptimizerFeaturesTest(keras_optimizer_tests.OptimizerDistributeTest):
             self.skipTest("needs two logical CPUs (set by tests/conftest.py)")
         self.strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES,
                                                                      compression="fp16")
+
+    def test_config(self):
+        # An optimizer made under a compressed strategy carries its codec state (an
+        # attribute that Keras saves with it): the one revived from its config is made under
+        # the strategy too, so that both have it.
+        with self.strategy.scope():
+            super().test_config()
 
 
 class RegistryAndErrorsTest(tf.test.TestCase):

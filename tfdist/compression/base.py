@@ -70,6 +70,7 @@ class Compressor:
     own_memory = False  # the compressor keeps its own residual (DGC's accumulation)
     per_tensor = False
     aggregate = "sum"  # how the replicas' payloads combine (signsgd_mv: "majority vote")
+    replicated_state = frozenset()  # state every replica holds alike (saved once)
 
     def __init__(self, error_feedback=None, min_size=0, exclude=()):
         if error_feedback is None:
@@ -119,8 +120,10 @@ class Compressor:
     def _decompress_sum(self, payloads, shape, dtype, key):
         return tf.add_n([self._decompress(p, shape, dtype, key) for p in payloads])
 
-    def payload_dtypes(self, dtype):
-        """The dtypes of a payload's tensors, for a gradient of `dtype`."""
+    def payload_dtypes(self, dtype, shape=None):
+        """The dtypes of a payload's tensors, for a gradient of `dtype` (and `shape`: index
+        payloads of tensors past 2^31 elements are int64)."""
+        del shape
         return (tf.as_dtype(dtype),)
 
     def payload_bytes(self, shape, dtype):

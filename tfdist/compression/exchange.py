@@ -21,8 +21,11 @@ import tensorflow as tf
 
 from tfdist import _tf_compat
 from tfdist.compression.base import Communicator
+from tfdist.compression.state import CompressionState
 
 _WIRE = tf.int32
+# What one exchange reports (int64 tensors), and `compression_logs` turns into Keras logs.
+STAT_NAMES = ("bytes_sent", "bytes_dense", "bytes_on_wire", "bytes_on_wire_dense")
 
 
 def _to_wire(tensor):
@@ -153,31 +156,6 @@ class StrategyCommunicator(Communicator):
         return results
 
 
-class ReplicaStates:
-    """Compressor state kept in replica-local variables (one component per local replica).
-
-    Variables are made on first use of a key, while the train step is traced; later traces
-    (a last, smaller batch) find them by key again.
-    """
-
-    def __init__(self, strategy):
-        self._strategy = strategy
-        self.variables = {}
-
-    def get(self, key, make_initial):
-        """`{name: per-replica variables}` for `make_initial()` (a dict of tensors)."""
-        if key not in self.variables:
-            with tf.init_scope(), self._strategy.scope():
-                initial = make_initial()
-                self.variables[key] = {
-                    name: tf.Variable(value, trainable=False, name=f"tfdist_{name}",
-                                      synchronization=tf.VariableSynchronization.ON_READ,
-                                      aggregation=tf.VariableAggregation.NONE)
-                    for name, value in initial.items()}
-        local = self._strategy.experimental_local_results
-        return {name: local(v) for name, v in self.variables[key].items()}
-
-
 class GradientExchange:
     """A compressor's state and statistics for one strategy's gradient all-reduce.
 
@@ -197,9 +175,15 @@ class GradientExchange:
 
     def __init__(self, compressor, strategy, bucket_bytes=25 << 20):
         self.compressor = compressor
-        self.states = ReplicaStates(strategy)
         self.bucket_bytes = bucket_bytes
-        self._step = None
+        self._strategy = strategy
+        self._default_state = None
+
+    def default_state(self):
+        """The state used when no optimizer's own is given (made on first use)."""
+        if self._default_state is None:
+            self._default_state = CompressionState(self._strategy)
+        return self._default_state
 
     def _units(self, gradients, names):
         """Lists of gradient indices compressed together, and the indices sent exactly."""
@@ -222,7 +206,7 @@ class GradientExchange:
             sizes[dtype] = sizes.get(dtype, 0) + size
         return [unit for buckets in units.values() for unit in buckets], exact
 
-    def all_reduce(self, gradients, communicator, names=None):
+    def all_reduce(self, gradients, communicator, names=None, state=None):
         """Sums `gradients[i][replica]` over every replica of the job.
 
         Args:
@@ -230,6 +214,8 @@ class GradientExchange:
           communicator: moves payloads.
           names: per gradient, its variable's name (the key of its compressor state, and
             what `exclude` matches); None: positions.
+          state: the `CompressionState` to keep codec state in (the optimizer's own);
+            None: the exchange's default one.
 
         Returns `(sums, stats)`: sums in the same layout, and `stats` with `bytes_sent`
         (one replica's payload bytes this step, int64 tensor) and `bytes_dense` (what the
@@ -242,11 +228,12 @@ class GradientExchange:
         dense_bytes = sum(g[0].shape.num_elements() * g[0].dtype.size for g in gradients)
         units, exact = self._units(gradients, names)
 
+        if state is None:
+            state = self.default_state()
         # The step key: the same on every replica, so random choices agree without messages.
-        if self._step is None:
-            self._step = self.states.get(
-                "step", lambda: {"step": tf.zeros([], tf.int64)})["step"]
-        key = tf.stack([tf.identity(self._step[0]), tf.constant(0, tf.int64)])
+        step = state.get("step", lambda: {"step": tf.zeros([], tf.int64)},
+                         replicated=("step",))["step"]
+        key = tf.stack([tf.identity(step[0]), tf.constant(0, tf.int64)])
 
         tensors, states, variables = [], [], []
         for unit in units:
@@ -262,8 +249,9 @@ class GradientExchange:
             tensors.append(fused)
             first = fused[0]
             unit_key = ("unit", tuple(names[i] for i in unit), tuple(first.shape.as_list()))
-            unit_variables = self.states.get(
-                unit_key, lambda s=first.shape: compressor.initial_state(s, tf.float32))
+            unit_variables = state.get(
+                unit_key, lambda s=first.shape: compressor.initial_state(s, tf.float32),
+                replicated=compressor.replicated_state)
             variables.append(unit_variables)
             states.append([{name: tf.identity(v[r]) for name, v in unit_variables.items()}
                            for r in replicas])
@@ -271,7 +259,7 @@ class GradientExchange:
         sums, new_states, sent = ([], [], tf.constant(0, tf.int64))
         if units:
             sums, new_states, sent = compressor.exchange(tensors, states, communicator, key)
-        updates = [self._step[r].assign_add(1) for r in replicas]
+        updates = [step[r].assign_add(1) for r in replicas]
         for unit_variables, unit_states in zip(variables, new_states):
             for name, components in unit_variables.items():
                 for r in replicas:

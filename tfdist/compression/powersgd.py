@@ -44,6 +44,7 @@ class PowerSGDCompressor(Compressor):
     name = "powersgd"
     linear = True
     elementwise = False
+    replicated_state = frozenset({"q"})  # made from the all-reduced factors
 
     def __init__(self, rank=1, min_compression_rate=2.0, seed=0, error_feedback=True,
                  **kwargs):
@@ -98,7 +99,8 @@ class PowerSGDCompressor(Compressor):
         p, q = payload
         return tf.reshape(tf.cast(p @ tf.transpose(q), dtype), shape)
 
-    def payload_dtypes(self, dtype):
+    def payload_dtypes(self, dtype, shape=None):
+        del dtype, shape
         return (tf.float32, tf.float32)
 
     # The two-round exchange.

@@ -107,7 +107,8 @@ class FP16Compressor(Compressor):
             return (tensor,), {}
         return (tf.cast(tensor, self.wire_dtype),), {}
 
-    def payload_dtypes(self, dtype):
+    def payload_dtypes(self, dtype, shape=None):
+        del dtype, shape
         return (self.wire_dtype,)
 
     def payload_bytes(self, shape, dtype):
@@ -163,7 +164,8 @@ class _SignBitsCompressor(Compressor, abc.ABC):
         sent = tf.cast(tf.where(flat >= 0, high, low), compensated.dtype)
         return self.memory.update(compensated, sent)
 
-    def payload_dtypes(self, dtype):
+    def payload_dtypes(self, dtype, shape=None):
+        del dtype, shape
         return (tf.uint8, tf.float32)
 
     def payload_bytes(self, shape, dtype):
@@ -282,7 +284,8 @@ class TernGradCompressor(Compressor):
         flat = _unpack("pairs", codes, _size(shape)) * scale[0]
         return tf.reshape(tf.cast(flat, dtype), shape)
 
-    def payload_dtypes(self, dtype):
+    def payload_dtypes(self, dtype, shape=None):
+        del dtype, shape
         return (tf.uint8, tf.float32)
 
     def payload_bytes(self, shape, dtype):
@@ -354,7 +357,8 @@ class QSGDCompressor(Compressor):
         flat = tf.reshape(rows * (norms[:, None] / self.levels), [-1])[:size]
         return tf.reshape(tf.cast(flat, dtype), shape)
 
-    def payload_dtypes(self, dtype):
+    def payload_dtypes(self, dtype, shape=None):
+        del dtype, shape
         return (tf.int8, tf.float32)
 
     def payload_bytes(self, shape, dtype):

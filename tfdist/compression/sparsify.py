@@ -8,6 +8,8 @@ Payload sizes for a gradient of n elements of b bytes, k = max(1, floor(ratio * 
 | `randomk` | k values at indices drawn from the shared step key (no indices sent) | k b | yes |
 | `threshold` | int32 (index + 1) * sign of the m elements with |x| >= tau | 4 m (varies) | no |
 | `dgc` | like top-k, of the momentum-corrected accumulation | k (b + 4) | no |
+
+Indices and threshold codes are int64 (8 bytes) in tensors of 2^31 elements or more.
 """
 
 import math
@@ -21,6 +23,16 @@ from tfdist.compression.base import num_selected
 
 def _flat(tensor):
     return tf.reshape(tensor, [-1])
+
+
+# Tensors of more elements than this number their elements with int64 indices (a payload's
+# index or threshold code then takes 8 bytes instead of 4).
+INT32_LIMIT = 2 ** 31 - 1
+
+
+def index_dtype(size):
+    """The dtype of element indices in a tensor of `size` elements (None: int32)."""
+    return tf.int64 if size is not None and size >= INT32_LIMIT else tf.int32
 
 
 _SAMPLE = 10_000
@@ -38,22 +50,23 @@ def top_k_indices(magnitudes, k):
     the exact top k.
     """
     size = magnitudes.shape.num_elements()
+    dtype = index_dtype(size)
     if not isinstance(k, int) or size < 5 * _SAMPLE or 4 * k > size:
-        return tf.math.top_k(magnitudes, k=k, sorted=False).indices
-    sample = tf.gather(magnitudes, tf.random.uniform([_SAMPLE], 0, size, tf.int32))
+        return tf.math.top_k(magnitudes, k=k, sorted=False, index_type=dtype).indices
+    sample = tf.gather(magnitudes, tf.random.uniform([_SAMPLE], 0, size, dtype))
     expected = k * _SAMPLE / size  # sampled elements among the top k
     margin = 4 / math.sqrt(expected)  # solve (f - 1) / sqrt(f) = margin for the factor f
     factor = ((margin + math.sqrt(margin ** 2 + 4)) / 2) ** 2
     rank = max(1, min(_SAMPLE, math.ceil(factor * expected)))
     threshold = tf.math.top_k(sample, k=rank, sorted=True).values[-1]
-    candidates = tf.cast(tf.where(magnitudes >= threshold)[:, 0], tf.int32)
+    candidates = tf.cast(tf.where(magnitudes >= threshold)[:, 0], dtype)
 
     def among_candidates():
         best = tf.math.top_k(tf.gather(magnitudes, candidates), k=k, sorted=False).indices
         return tf.gather(candidates, best)
 
     def full():
-        return tf.math.top_k(magnitudes, k=k, sorted=False).indices
+        return tf.math.top_k(magnitudes, k=k, sorted=False, index_type=dtype).indices
 
     return tf.cond(tf.size(candidates) >= k, among_candidates, full)
 
@@ -125,12 +138,14 @@ class TopKCompressor(Compressor):
         del key
         return _without(compensated, payload[1])
 
-    def payload_dtypes(self, dtype):
-        return (tf.as_dtype(dtype), tf.int32)
+    def payload_dtypes(self, dtype, shape=None):
+        size = None if shape is None else _num_elements(shape)
+        return (tf.as_dtype(dtype), index_dtype(size))
 
     def payload_bytes(self, shape, dtype):
-        k = num_selected(_num_elements(shape), self.ratio)
-        return k * (tf.as_dtype(dtype).size + 4)
+        size = _num_elements(shape)
+        k = num_selected(size, self.ratio)
+        return k * (tf.as_dtype(dtype).size + index_dtype(size).size)
 
     def get_config(self):
         return {"ratio": self.ratio, "per_tensor": self.per_tensor, **super().get_config()}
@@ -217,12 +232,13 @@ class ThresholdCompressor(Compressor):
     def _compress(self, tensor, state, key):
         del state, key
         flat = _flat(tensor)
-        indices = tf.cast(tf.where(tf.abs(flat) >= self.threshold)[:, 0], tf.int32)
-        signs = tf.cast(tf.sign(tf.gather(flat, indices)), tf.int32)
+        dtype = index_dtype(flat.shape.num_elements())
+        indices = tf.cast(tf.where(tf.abs(flat) >= self.threshold)[:, 0], dtype)
+        signs = tf.cast(tf.sign(tf.gather(flat, indices)), dtype)
         # A NaN never passes the threshold: a non-finite input adds the code 0 (never an
         # element's), which decodes to NaN everywhere.
         poisoned = 1 - tf.cast(tf.reduce_all(tf.math.is_finite(flat)), tf.int32)
-        return (tf.concat([(indices + 1) * signs, tf.zeros([poisoned], tf.int32)], 0),), {}
+        return (tf.concat([(indices + 1) * signs, tf.zeros([poisoned], dtype)], 0),), {}
 
     def _values(self, codes, dtype):
         return tf.cast(tf.sign(codes), dtype) * tf.cast(self.threshold, dtype)
@@ -243,11 +259,12 @@ class ThresholdCompressor(Compressor):
         codes = tf.boolean_mask(payload[0], tf.not_equal(payload[0], 0))
         return _without(compensated, tf.abs(codes) - 1, self._values(codes, compensated.dtype))
 
-    def payload_dtypes(self, dtype):
-        return (tf.int32,)
+    def payload_dtypes(self, dtype, shape=None):
+        return (index_dtype(None if shape is None else _num_elements(shape)),)
 
     def payload_bytes(self, shape, dtype):
-        return 4 * _num_elements(shape)
+        size = _num_elements(shape)
+        return index_dtype(size).size * size
 
     def get_config(self):
         return {"threshold": self.threshold, **super().get_config()}
@@ -278,6 +295,7 @@ class DGCCompressor(TopKCompressor):
 
     name = "dgc"
     own_memory = True
+    replicated_state = frozenset({"step"})
 
     def __init__(self, ratio=0.001, momentum=0.9, clip_norm=None, warmup_steps=0,
                  initial_ratio=0.25, error_feedback=True, per_tensor=True, **kwargs):
@@ -320,11 +338,21 @@ class DGCCompressor(TopKCompressor):
         accumulation = velocity
         if self.error_feedback:
             accumulation = _flat(state["accumulation"]) + velocity
+        magnitudes = tf.abs(accumulation)
+        final_k = num_selected(size, self.ratio)
         if self.warmup_steps == 0:
-            k = num_selected(size, self.ratio)
+            indices = top_k_indices(magnitudes, final_k)
         else:
-            k = tf.maximum(1, tf.cast(tf.floor(self._density(state["step"]) * size), tf.int32))
-        indices = top_k_indices(tf.abs(accumulation), k)
+            # During the warm-up k follows the step (a full top-k); after it, the sampled
+            # top-k of the final k.
+            def warming_up():
+                k = tf.maximum(1, tf.cast(tf.floor(self._density(state["step"]) * size),
+                                          tf.int32))
+                return tf.math.top_k(magnitudes, k=k, sorted=False,
+                                     index_type=index_dtype(size)).indices
+
+            indices = tf.cond(state["step"] < self.warmup_steps, warming_up,
+                              lambda: top_k_indices(magnitudes, final_k))
         shape = tensor.shape
         new_state = {  # both cleared where sent (momentum factor masking)
             "velocity": _without(tf.reshape(velocity, shape), indices),
@@ -335,8 +363,9 @@ class DGCCompressor(TopKCompressor):
 
     def payload_bytes(self, shape, dtype):
         if self.warmup_steps:
-            k = num_selected(_num_elements(shape), max(self.ratio, self.initial_ratio))
-            return k * (tf.as_dtype(dtype).size + 4)
+            size = _num_elements(shape)
+            k = num_selected(size, max(self.ratio, self.initial_ratio))
+            return k * (tf.as_dtype(dtype).size + index_dtype(size).size)
         return super().payload_bytes(shape, dtype)
 
     def get_config(self):

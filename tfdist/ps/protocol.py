@@ -185,7 +185,8 @@ def push_units(layout, compressor):
 def compressed_push_dtypes(layout, compressor):
     """The payload dtypes of a compressed push: each unit's, then the raw entries'."""
     units, _ = push_units(layout, compressor)
-    return [d for _ in units for d in compressor.payload_dtypes(tf.float32)] + [tf.float32]
+    return [d for unit in units for d in compressor.payload_dtypes(
+        tf.float32, [sum(layout.main_sizes[i] for i in unit)])] + [tf.float32]
 
 
 def _unit_key(key, unit):

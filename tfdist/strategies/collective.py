@@ -22,21 +22,13 @@ import tensorflow as tf
 from tfdist import _tf_compat
 from tfdist import compression as compression_lib
 from tfdist.cluster import config as cluster_config
+from tfdist.compression import state as compression_state
+from tfdist.compression.exchange import STAT_NAMES
 from tfdist.compression.exchange import GradientExchange
 from tfdist.compression.exchange import StrategyCommunicator
 from tfdist.compression.exchange import compression_logs
 
 log = logging.getLogger("tfdist")
-
-
-def _unique(names):
-    """`names`, with `#1`, `#2`... after repeats (state is keyed by them)."""
-    seen, out = {}, []
-    for name in names:
-        count = seen.get(name, 0)
-        seen[name] = count + 1
-        out.append(f"{name}#{count}" if count else name)
-    return out
 
 
 def _components(value):
@@ -57,24 +49,96 @@ class _CompressedExchangeMixin:
         compressor = compression_lib.get(compression)
         self._exchange = (None if compressor is None
                           else GradientExchange(compressor, self._container_strategy()))
-        self._trace_stats = None
+        self._compression_trace = None  # the outermost step being traced: stats written?
+        self._stats = None
+        self._states = []  # the codec states of the optimizers made under this strategy
 
     @property
     def compressor(self):
         return None if self._exchange is None else self._exchange.compressor
 
+    def _replica_offset(self):
+        """The global number of this process's first replica."""
+        return getattr(self, "_id_in_cluster", 0) * len(self.worker_devices)
+
+    def _state_of(self, optimizer):
+        state = compression_state.state_of(optimizer, self._container_strategy(),
+                                           self._replica_offset())
+        if all(state is not known for known in self._states):
+            self._states.append(state)
+        return state
+
+    def _create_variable(self, next_creator, **kwargs):
+        # An optimizer made under this strategy gets its codec state when it makes its
+        # first variable, so that loading a file or a checkpoint before the first step finds
+        # it. (Keras's saving makes a bare `Optimizer` to learn which attributes to skip.)
+        if self._exchange is not None:
+            optimizer = _tf_compat.keras_optimizer_in_scope()
+            if optimizer is not None and type(optimizer).__name__ != "Optimizer":
+                self._state_of(optimizer)
+        return super()._create_variable(next_creator, **kwargs)
+
+    def compression_states(self):
+        """The codec states of the optimizers made under this strategy that hold state
+        (a LossScaleOptimizer's own holds none: its inner optimizer's gradients are coded)."""
+        return [state for state in self._states if state.variables or state.values()]
+
+    def _stats_variables(self):
+        """Step statistics, written where the gradients are exchanged and read where the
+        step's logs are made: a LossScaleOptimizer applies in a nested replica call inside a
+        branch, whose tensors the outer step cannot use."""
+        if self._stats is None:
+            with tf.init_scope(), self._container_strategy().scope():
+                self._stats = {
+                    name: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"tfdist_{name}",
+                                      synchronization=tf.VariableSynchronization.ON_READ,
+                                      aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                    for name in STAT_NAMES}
+        return self._stats
+
     def _call_for_each_replica(self, fn, args, kwargs):
-        self._trace_stats = None
-        result = super()._call_for_each_replica(fn, args, kwargs)
-        stats, self._trace_stats = self._trace_stats, None
-        if stats is not None and isinstance(result, dict):
+        outer = self._compression_trace is None
+        if outer:
+            self._compression_trace = {"written": False}
+        try:
+            result = super()._call_for_each_replica(fn, args, kwargs)
+        finally:
+            trace = self._compression_trace
+            if outer:
+                self._compression_trace = None
+        if outer and trace["written"] and isinstance(result, dict):
+            stats = {name: variable.read_value()
+                     for name, variable in self._stats_variables().items()}
             result = {**result, **compression_logs(stats)}
         return result
 
+    def _record_stats(self, stats):
+        """Adds one exchange's statistics to the step's (two optimizers in a step add)."""
+        trace = self._compression_trace
+        first = trace is None or not trace["written"]
+        if trace is not None:
+            trace["written"] = True
+        variables = self._stats_variables()
+        return [variables[name].assign(stats[name]) if first
+                else variables[name].assign_add(stats[name]) for name in STAT_NAMES]
+
+    def _replica_ctx_all_reduce(self, reduce_op, value, options=None):
+        # TF takes this path, around `_batch_reduce_to`, when XLA compiles the step on GPUs
+        # (`jit_compile=True`): the gradients would go uncompressed, without a word.
+        if (self._exchange is not None and _tf_compat.keras_gradient_all_reduce(
+                self._container_strategy()) not in (None, "outside")):
+            raise ValueError(
+                f"tfdist: `compression={self._exchange.compressor.name!r}` cannot run inside "
+                "an XLA-compiled step: TensorFlow all-reduces the gradients of a "
+                "`jit_compile=True` step on GPUs inside XLA, around the strategy's "
+                "compressed exchange. Compile the model with jit_compile=False (Keras's "
+                "default under a distribution strategy), or use compression=None")
+        return super()._replica_ctx_all_reduce(reduce_op, value, options)
+
     def _gradient_variables(self, values):
-        """The variables of a Keras optimizer's gradient all-reduce of `values`, or None if
-        this batch is something else (synchronized BatchNorm statistics, a metric, a user's
-        own all-reduce), which is summed exactly."""
+        """`(optimizer, variables)` of a Keras optimizer's gradient all-reduce of `values`,
+        or None if this batch is something else (synchronized BatchNorm statistics, a
+        metric, a user's own all-reduce), which is summed exactly."""
         found = _tf_compat.keras_gradient_all_reduce(self._container_strategy())
         if found == "outside":
             if not getattr(self, "_warned_outside", False):
@@ -95,7 +159,7 @@ class _CompressedExchangeMixin:
             if (not isinstance(component, tf.IndexedSlices)
                     and component.shape != variable.shape):
                 return None
-        return variables
+        return optimizer, variables
 
     def _check_momentum(self, optimizer):
         """DGC's momentum correction beside an optimizer's own momentum applies momentum
@@ -125,15 +189,18 @@ class _CompressedExchangeMixin:
         strategy = self._container_strategy()
         values = [value for value, _ in value_destination_pairs]
         local_replicas = len(self.worker_devices)
-        variables = None
+        found = None
         if (self._exchange is not None
                 and reduce_op in (tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN)
                 and all(not isinstance(v, _tf_compat.Mirrored)
                         and len(_components(v)) == local_replicas for v in values)):
-            variables = self._gradient_variables(values)
-        if variables is None:
+            found = self._gradient_variables(values)
+        if found is None:
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
-        names = _unique([v.name.split(":")[0] for v in variables])
+        optimizer, variables = found
+        # Keyed (and matched by `exclude`) by the variables' Keras paths.
+        names = compression_state.unique_names(
+            _tf_compat.keras_variable_paths(optimizer, variables))
         # Sparse gradients (IndexedSlices, e.g. of an embedding) are all-gathered by TF as
         # they are; the dense ones of the same batch are compressed.
         local = [list(strategy.experimental_local_results(v)) for v in values]
@@ -142,23 +209,44 @@ class _CompressedExchangeMixin:
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
         reduced = iter(self._compressed_sum(
             reduce_op, [row for row, s in zip(local, sparse) if not s], options,
-            [name for name, s in zip(names, sparse) if not s]))
+            [name for name, s in zip(names, sparse) if not s], self._state_of(optimizer)))
         if any(sparse):
             sparse_reduced = iter(super()._batch_reduce_to(
                 reduce_op, [p for p, s in zip(value_destination_pairs, sparse) if s], options))
             return [next(sparse_reduced) if s else next(reduced) for s in sparse]
         return list(reduced)
 
-    def _compressed_sum(self, reduce_op, local, options, names):
+    def _compressed_sum(self, reduce_op, local, options, names, state):
         """Sums (or means) `local[i][replica]` over every replica through the compressor."""
         strategy = self._container_strategy()
         communicator = StrategyCommunicator(strategy, super()._batch_reduce_to, options)
-        sums, stats = self._exchange.all_reduce(local, communicator, names)
+        sums, stats = self._exchange.all_reduce(local, communicator, names, state)
         if reduce_op == tf.distribute.ReduceOp.MEAN:
             scale = 1.0 / strategy.num_replicas_in_sync
             sums = [[t * tf.cast(scale, t.dtype) for t in row] for row in sums]
-        self._trace_stats = stats
+        with tf.control_dependencies(self._record_stats(stats)):
+            sums = [[tf.identity(t) for t in row] for row in sums]
         return [_tf_compat.regroup(tuple(row), wrap_class=_tf_compat.Mirrored) for row in sums]
+
+
+class _CompressedStrategyMixin:
+    """What both compressed strategies offer beyond TF's."""
+
+    @property
+    def compressor(self):
+        """The compressor in use, or None."""
+        return self.extended.compressor
+
+    def reset_compression_state(self):
+        """Sets the codec state of every optimizer of this strategy back to its start
+        (residuals and momentum to zero, PowerSGD's Q to its seeded start, warm-up step 0).
+
+        The state is also saved and restored with its optimizer (`model.save`,
+        ModelCheckpoint, BackupAndRestore, `tf.train.Checkpoint`): reset it when the model is
+        given weights that the residuals do not belong to.
+        """
+        for state in self.extended.compression_states():
+            state.reset()
 
 
 class CompressedMirroredExtended(_CompressedExchangeMixin, _tf_compat.MirroredExtended):
@@ -169,7 +257,7 @@ class CompressedMirroredExtended(_CompressedExchangeMixin, _tf_compat.MirroredEx
         self._init_compression(compression)
 
 
-class CompressedMirroredStrategy(tf.distribute.MirroredStrategy):
+class CompressedMirroredStrategy(_CompressedStrategyMixin, tf.distribute.MirroredStrategy):
     """`tf.distribute.MirroredStrategy` with compressed gradient exchange (one process).
 
     >>> strategy = tfdist.strategies.CompressedMirroredStrategy(
@@ -199,10 +287,6 @@ class CompressedMirroredStrategy(tf.distribute.MirroredStrategy):
                                               compression=compression)
         tf.distribute.Strategy.__init__(self, extended)
 
-    @property
-    def compressor(self):
-        """The compressor in use, or None."""
-        return self.extended.compressor
 
 
 class MultiWorkerMirroredExtended(_CompressedExchangeMixin,
@@ -237,7 +321,8 @@ def _check_tf_config():
             f"{config.num_ps} ps task(s)")
 
 
-class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
+class MultiWorkerMirroredStrategy(_CompressedStrategyMixin,
+                                  tf.distribute.MultiWorkerMirroredStrategy):
     """`tf.distribute.MultiWorkerMirroredStrategy` that works with Keras 3 `fit`, and
     compresses the gradient exchange when asked to.
 
@@ -269,10 +354,6 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
                                                compression=compression)
         tf.distribute.Strategy.__init__(self, extended)
 
-    @property
-    def compressor(self):
-        """The compressor in use, or None."""
-        return self.extended.compressor
 
     def reduce(self, reduce_op, value, axis):
         """`Strategy.reduce`, for nested values too, and for scalars with `axis=0`.

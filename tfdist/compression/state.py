@@ -1,0 +1,210 @@
+"""Codec state (residuals, PowerSGD's Q, DGC's momentum and warm-up step) that checkpoints.
+
+A compressed all-reduce keeps state between steps in replica-local float32 variables, keyed
+by the variables whose gradients they code. `CompressionState` holds one optimizer's share
+of it, and is saved with that optimizer wherever the optimizer is saved:
+
+* Keras files (`model.save`, `ModelCheckpoint`, `BackupAndRestore`, `save_weights`): the
+  state is an attribute of the optimizer (`optimizer.tfdist_compression_state`) that Keras
+  walks like any other saveable; plain Keras, loading the same file, never visits it.
+* `tf.train.Checkpoint(model=model, optimizer=optimizer)`: the same attribute, a trackable.
+
+Values saved before the state's variables exist (they are made when the train step is
+first traced) are kept and become the variables' initial values: loading a checkpoint into a
+fresh model before `fit` restores the codec state too.
+
+Each replica's own state (residuals, momentum) is saved under its global replica number;
+state that every replica holds alike (PowerSGD's Q, step counters: a compressor's
+`replicated_state`) once. Under MultiWorkerMirroredStrategy each worker saves its own
+replicas; a worker restoring another's file (Keras restores every worker from the chief's)
+finds the shared state there and starts its own residuals from zero.
+"""
+
+import io
+import json
+import logging
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist import _tf_compat
+
+log = logging.getLogger("tfdist")
+
+ATTRIBUTE = "tfdist_compression_state"
+
+
+def _key_name(key, positions):
+    """The saved name of a state key (`("unit", paths, shape)` or a plain string).
+
+    Variables are named by their place among the optimizer's trainable variables
+    (`positions`), as Keras saves an optimizer's slots: a model built again in the same
+    process gets new paths (`dense_1` becomes `dense_3`), not a new order.
+    """
+    if isinstance(key, str):
+        return key
+    _, paths, shape = key
+    names = [f"#{positions[p]}" if p in positions else p for p in paths]
+    return "+".join(names) + "[" + ",".join(str(d) for d in shape) + "]"
+
+
+class CompressionState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
+    """One optimizer's codec state in a compressed all-reduce strategy.
+
+    Args:
+      strategy: the strategy whose replicas hold the state.
+      replica_offset: the global number of this process's first replica.
+      optimizer: the Keras optimizer whose gradients the state codes (its variables' order
+        names them in files), or None.
+    """
+
+    def __init__(self, strategy, replica_offset=0, optimizer=None):
+        self._strategy = strategy
+        self._replica_offset = replica_offset
+        self._optimizer = None if optimizer is None else weakref.ref(optimizer)
+        self.variables = {}  # key -> {name: replica-local variable}
+        self._initial = {}  # key -> make_initial
+        self._replicated = {}  # key -> names every replica holds alike
+        self._pending = {}  # saved name -> value, for variables not made yet
+
+    # Variables ------------------------------------------------------------------------------
+
+    def get(self, key, make_initial, replicated=()):
+        """`{name: per-replica components}` of `key`'s state, made from `make_initial()`
+        (a dict of tensors) on first use; `replicated` names the entries every replica holds
+        alike."""
+        if key not in self.variables:
+            self._initial[key] = make_initial
+            self._replicated[key] = frozenset(replicated)
+            with tf.init_scope(), self._strategy.scope():
+                initial = make_initial()
+                self.variables[key] = {
+                    name: tf.Variable(value, trainable=False, name=f"tfdist_{name}",
+                                      synchronization=tf.VariableSynchronization.ON_READ,
+                                      aggregation=tf.VariableAggregation.NONE)
+                    for name, value in initial.items()}
+                if self._pending:
+                    self._assign(key, self._pending)
+        local = self._strategy.experimental_local_results
+        return {name: local(v) for name, v in self.variables[key].items()}
+
+    def reset(self):
+        """Sets every state back to its value before the first step (residuals to zero)."""
+        self._pending = {}
+        for key, variables in self.variables.items():
+            with tf.init_scope():
+                initial = self._initial[key]()
+                for name, variable in variables.items():
+                    for component in self._strategy.experimental_local_results(variable):
+                        component.assign(initial[name])
+
+    # Saving ---------------------------------------------------------------------------------
+
+    def _positions(self):
+        optimizer = None if self._optimizer is None else self._optimizer()
+        variables = getattr(optimizer, "_trainable_variables", None) or ()
+        paths = [getattr(v, "path", None) or v.name.split(":")[0] for v in variables]
+        return {path: i for i, path in enumerate(unique_names(paths))}
+
+    def _saved_name(self, key, name, replica=None, positions=None):
+        base = f"{_key_name(key, self._positions() if positions is None else positions)}/{name}"
+        return base if replica is None else f"{base}/replica_{replica}"
+
+    def values(self):
+        """`{saved name: numpy value}` of this process's state (and of values restored
+        for state not made yet)."""
+        values = dict(self._pending)
+        positions = self._positions()
+        for key, variables in self.variables.items():
+            for name, variable in variables.items():
+                components = self._strategy.experimental_local_results(variable)
+                if name in self._replicated[key]:
+                    values[self._saved_name(key, name, None, positions)] = (
+                        components[0].numpy())
+                    continue
+                for r, component in enumerate(components):
+                    values[self._saved_name(key, name, self._replica_offset + r,
+                                            positions)] = component.numpy()
+        return values
+
+    def restore(self, values):
+        """Takes saved `values` (from `values()`): assigned now to state that exists, kept for
+        state made later."""
+        self._pending = dict(values)
+        for key in self.variables:
+            self._assign(key, values)
+
+    def _assign(self, key, values):
+        positions = self._positions()
+        for name, variable in self.variables[key].items():
+            components = self._strategy.experimental_local_results(variable)
+            for r, component in enumerate(components):
+                saved = self._saved_name(
+                    key, name, None if name in self._replicated[key] else self._replica_offset + r,
+                    positions)
+                if saved not in values:
+                    continue
+                value = np.asarray(values[saved])
+                if tuple(value.shape) != tuple(component.shape):
+                    log.warning("tfdist: compression state %r was saved with shape %s, the "
+                                "model's is %s: not restored", saved, value.shape,
+                                tuple(component.shape))
+                    continue
+                with tf.init_scope():
+                    component.assign(value.astype(component.dtype.as_numpy_dtype))
+
+    def to_bytes(self):
+        buffer = io.BytesIO()
+        values = self.values()
+        names = sorted(values)
+        np.savez(buffer, names=np.array(json.dumps(names)),
+                 **{str(i): values[name] for i, name in enumerate(names)})
+        return buffer.getvalue()
+
+    def from_bytes(self, data):
+        with np.load(io.BytesIO(data)) as arrays:
+            names = json.loads(str(arrays["names"]))
+            self.restore({name: arrays[str(i)] for i, name in enumerate(names)})
+
+    # tf.train.Checkpoint: the whole state as one string (its entries change as variables
+    # are made; a checkpoint restores the names a trackable has now, so one fixed name).
+    def _serialize_to_tensors(self):
+        return {"state": tf.constant(self.to_bytes())}
+
+    def _restore_from_tensors(self, restored_tensors):
+        self.from_bytes(restored_tensors["state"].numpy())
+        return tf.no_op()
+
+    # Keras saving (`model.save`, `save_weights`, ModelCheckpoint, BackupAndRestore).
+    def _obj_type(self):
+        # Keras walks a saveable's attributes for children, skipping those of a reference
+        # object of a type it knows; this object has no saveable children, and "Loss" is the
+        # type whose reference object is the plainest.
+        return "Loss"
+
+    def save_own_variables(self, store):
+        store["state"] = np.frombuffer(self.to_bytes(), np.uint8)
+
+    def load_own_variables(self, store):
+        if "state" in store.keys():
+            self.from_bytes(np.asarray(store["state"]).tobytes())
+
+
+def state_of(optimizer, strategy, replica_offset=0):
+    """The `CompressionState` of `optimizer` (made and attached on first use)."""
+    state = getattr(optimizer, ATTRIBUTE, None)
+    if state is None:
+        state = CompressionState(strategy, replica_offset, optimizer)
+        setattr(optimizer, ATTRIBUTE, state)
+    return state
+
+
+def unique_names(names):
+    """`names`, with `#1`, `#2`... after repeats (state is keyed by them)."""
+    seen, out = {}, []
+    for name in names:
+        count = seen.get(name, 0)
+        seen[name] = count + 1
+        out.append(f"{name}#{count}" if count else name)
+    return out
