@@ -198,6 +198,40 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
             finally:
                 sparsify.INT32_LIMIT = original
 
+    def test_varints_round_trip(self):
+        from tfdist.compression.sparsify import decode_varints
+        from tfdist.compression.sparsify import encode_varints
+
+        values = tf.constant([0, 1, 63, 64, 127, 128, 300, 16384, 2 ** 40, 2 ** 62 + 5, 7],
+                             tf.int64)
+        stream = encode_varints(values)
+        self.assertEqual(stream.dtype, tf.uint8)
+        self.assertAllEqual(stream[:6], [0, 1, 63, 64, 127, 128])  # one byte below 128
+        self.assertAllEqual(decode_varints(stream), values)
+        self.assertAllEqual(decode_varints(encode_varints(tf.zeros([0], tf.int64))), [])
+
+    def test_threshold_entropy_coding_sends_the_same_in_fewer_bytes(self):
+        plain = tfdist.compression.get("threshold", threshold=2.3)
+        coded = tfdist.compression.get("threshold", threshold=2.3, entropy_coding=True)
+        self.assertEqual(tfdist.compression.get(tfdist.compression.serialize(coded))
+                         .get_config(), coded.get_config())
+        x = tf.random.stateless_normal([100_000], seed=[7, 7])  # about 2 % pass
+        payload, state = plain.compress(x)
+        coded_payload, coded_state = coded.compress(x)
+        self.assertAllEqual(coded_state["residual"], state["residual"])
+        other = plain.compress(-x)[0], coded.compress(-x)[0]
+        self.assertAllEqual(coded.decompress_sum([coded_payload, other[1]], x.shape, x.dtype),
+                            plain.decompress_sum([payload, other[0]], x.shape, x.dtype))
+        sent = int(tf.size(payload[0]))
+        self.assertBetween(sent / x.shape[0], 0.015, 0.03)
+        # Distances of ~50 take one byte, the rarer long ones two: under half of int32's 4.
+        self.assertLess(nbytes(coded_payload), 0.5 * nbytes(payload))
+        self.assertLessEqual(nbytes(coded_payload), coded.payload_bytes(x.shape, x.dtype))
+        poisoned, kept = coded.compress(tf.tensor_scatter_nd_update(x, [[3]], [np.nan]),
+                                        coded_state)
+        self.assertAllEqual(kept["residual"], coded_state["residual"])
+        self.assertTrue(np.all(np.isnan(coded.decompress(poisoned, x.shape, x.dtype))))
+
     def test_topk_sends_the_largest(self):
         x = tf.constant([0.1, -5.0, 0.2, 3.0, -0.3, 0.0, 1.0, 0.05, 0.0, 0.0])
         compressor = tfdist.compression.get("topk", ratio=0.2)

@@ -126,6 +126,16 @@ class CompressedMirroredTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllEqual(parts[0], parts[1])  # replicas agree after decoding
             self.assertTrue(np.all(np.isfinite(parts[0].numpy())))
 
+    def test_entropy_coded_threshold_trains_like_the_plain_one(self):
+        plain, history = train(tfdist.strategies.CompressedMirroredStrategy(
+            DEVICES, compression=tfdist.compression.get("threshold", threshold=0.005)))
+        coded, coded_history = train(tfdist.strategies.CompressedMirroredStrategy(
+            DEVICES, compression=tfdist.compression.get("threshold", threshold=0.005,
+                                                        entropy_coding=True)))
+        for a, b in zip(plain.get_weights(), coded.get_weights()):
+            self.assertAllClose(a, b, rtol=1e-6, atol=1e-7)
+        self.assertLess(coded_history["bytes_sent"][-1], history["bytes_sent"][-1])
+
     @parameterized.parameters(("threshold",), ("powersgd",))
     def test_loss_scaling_under_compression(self, name):
         # A LossScaleOptimizer whose first scale overflows float32 gradients: the step is

@@ -1,0 +1,183 @@
+"""Compressed all-reduce on a slow network: step time and accuracy of every compressor against
+uncompressed, on local clusters whose network is rate-limited (`LocalCluster(bandwidth=)`).
+
+    python benchmarks/network.py --out=benchmarks/results/network            # ~1 hour
+    python benchmarks/network.py --out=/tmp/n --compressors=none,topk --workers=2 \
+        --bandwidths=100mbit --epochs=2                                       # minutes
+
+Job (`network_worker.py`): a CNN on digits with 1.08 M parameters (two convolutions, a
+512 x 2048 dense layer), batch 32 per worker, SGD, tfdist's MultiWorkerMirroredStrategy with
+`compression=<codec>`, every task in one private network namespace whose loopback is limited
+to `--bandwidths` (tc's token bucket). Every task's traffic crosses that one link, as machines
+on one hub: the limit is shared by the N workers, not given to each.
+
+* Step time: median seconds per step of the chief over a timing run of `--timing_steps`
+  steps, at every bandwidth and N of `--workers`; ratios are uncompressed over the codec
+  at the same bandwidth and N, in the same invocation.
+* Accuracy: a full run (`--epochs`) of every codec at N = `--accuracy_workers` under the
+  first bandwidth, with the loss of every epoch; lossy codecs also without error feedback.
+
+The 2 cores of this machine are shared by every worker: compute-bound steps (those the
+compressed exchanges reach) are slower here than on N machines, so the speed-ups are
+conservative. Writes <out>.json and <out>.png.
+"""
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", os.path.join("benchmarks", "results", "network"),
+                    "Output path without extension.")
+flags.DEFINE_list("compressors", None, "Compressors (default: none and every registered).")
+flags.DEFINE_list("bandwidths", ["100mbit", "1gbit"], "Link rates (tc units).")
+flags.DEFINE_list("workers", ["2", "4"], "Worker counts N of the timing runs.")
+flags.DEFINE_integer("accuracy_workers", 2, "N of the accuracy runs.")
+flags.DEFINE_integer("epochs", 15, "Epochs of the accuracy runs.")
+flags.DEFINE_integer("timing_steps", 20, "Steps of each timing run.")
+flags.DEFINE_bool("without_error_feedback", True,
+                  "Also run the lossy codecs' accuracy without error feedback.")
+flags.DEFINE_float("timeout", 1200.0, "Seconds one cluster run may take.")
+flags.DEFINE_multi_enum("parts", ["timing", "accuracy"], ["timing", "accuracy"],
+                        "Parts to run; the others are kept from an existing <out>.json.")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# What each compressor runs with (the papers' settings where the issue names none).
+SETTINGS = {
+    "topk": {"ratio": 0.01},
+    "randomk": {"ratio": 0.01},
+    "dgc": {"ratio": 0.001, "momentum": 0.9, "warmup_steps": 40},
+    "powersgd": {"rank": 4},
+    "threshold": {"threshold": 0.001},
+}
+
+
+def run(compression, workers, bandwidth, extra):
+    """One cluster run; the chief's JSON (or {"error": ...})."""
+    from tfdist.launch import LocalCluster
+
+    config = dict(SETTINGS.get(compression, {}))
+    config.update(extra.pop("config", {}))
+    with tempfile.TemporaryDirectory() as out_dir:
+        out = os.path.join(out_dir, "result.json")
+        command = [sys.executable, os.path.join(HERE, "network_worker.py"), f"--out={out}",
+                   f"--compression={compression}", f"--compression_config={json.dumps(config)}",
+                   *[f"--{k}={v}" for k, v in extra.items()]]
+        start = time.perf_counter()
+        with LocalCluster(command, num_ps=0, num_workers=workers, timeout=FLAGS.timeout,
+                          output=None, bandwidth=bandwidth) as cluster:
+            result = cluster.wait()
+        if result.returncode or not os.path.exists(out):
+            tail = " | ".join(line for _, line in list(cluster.lines)[-4:])
+            return {"error": f"{result.message}: {tail}"[:600]}
+        with open(out) as f:
+            figures = json.load(f)
+        figures["wall_seconds"] = time.perf_counter() - start
+        return figures
+
+
+def lossy(name):
+    import tfdist
+
+    return name != "none" and tfdist.compression.get(name).lossy
+
+
+def main(argv):
+    del argv
+    import tfdist
+
+    names = FLAGS.compressors or ["none", *[n for n in tfdist.compression.names()
+                                            if n != "none"]]
+    results = {}
+    if os.path.exists(FLAGS.out + ".json"):
+        with open(FLAGS.out + ".json") as f:
+            results = json.load(f)
+    results.update({
+        "job": "digits CNN, 1.08 M parameters, batch 32 per worker, SGD, tfdist "
+               "MultiWorkerMirroredStrategy",
+        "network": "one private namespace, loopback limited by tc tbf (shared by all tasks)",
+        "settings": SETTINGS, "machine": "2 cores shared by every task"})
+    if "timing" in FLAGS.parts:
+        timing = {}
+        for bandwidth in FLAGS.bandwidths:
+            for workers in map(int, FLAGS.workers):
+                row = timing.setdefault(f"{bandwidth}, N={workers}", {})
+                for name in names:
+                    row[name] = run(name, workers, bandwidth,
+                                    {"max_steps": FLAGS.timing_steps})
+                    print(f"[timing {bandwidth} N={workers}] {name}: "
+                          f"{row[name].get('seconds_per_step', row[name].get('error'))}",
+                          flush=True)
+                base = row.get("none", {}).get("seconds_per_step")
+                for figures in row.values():
+                    if base and figures.get("seconds_per_step"):
+                        figures["speedup"] = base / figures["seconds_per_step"]
+        results["timing"] = timing
+        results["timing_steps"] = FLAGS.timing_steps
+    if "accuracy" in FLAGS.parts:
+        accuracy = {}
+        bandwidth = FLAGS.bandwidths[0]
+        for name in names:
+            variants = [("", {})]
+            if FLAGS.without_error_feedback and lossy(name):
+                variants.append((" (no error feedback)", {"config": {"error_feedback": False}}))
+            for suffix, extra in variants:
+                figures = run(name, FLAGS.accuracy_workers, bandwidth,
+                              {"epochs": FLAGS.epochs, **extra})
+                accuracy[name + suffix] = figures
+                print(f"[accuracy N={FLAGS.accuracy_workers}] {name}{suffix}: "
+                      f"{figures.get('test_accuracy', figures.get('error'))}", flush=True)
+        base = accuracy.get("none", {}).get("test_accuracy")
+        for figures in accuracy.values():
+            if base is not None and "test_accuracy" in figures:
+                figures["accuracy_difference"] = figures["test_accuracy"] - base
+        results["accuracy"] = accuracy
+        results["accuracy_setting"] = {"workers": FLAGS.accuracy_workers,
+                                       "epochs": FLAGS.epochs, "bandwidth": bandwidth}
+    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+    with open(FLAGS.out + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    plot(results, FLAGS.out + ".png")
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    timing = results.get("timing", {})
+    names = sorted({n for row in timing.values() for n in row})
+    width = 0.8 / max(1, len(timing))
+    for i, (setting, row) in enumerate(sorted(timing.items())):
+        speedups = [row.get(n, {}).get("speedup", 0) for n in names]
+        left.bar([j + i * width for j in range(len(names))], speedups, width, label=setting)
+    left.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=60)
+    left.axhline(1, color="gray", lw=0.5)
+    left.set_ylabel("speed-up per step over uncompressed")
+    left.set_yscale("log")
+    left.legend(fontsize=7)
+    left.set_title("step time, shared rate-limited link")
+    for name, figures in sorted(results.get("accuracy", {}).items()):
+        if "loss" in figures:
+            right.plot(range(1, len(figures["loss"]) + 1), figures["loss"], label=name,
+                       lw=1.5 if name == "none" else 0.8,
+                       ls="--" if "no error feedback" in name else "-")
+    right.set_yscale("log")
+    right.set_xlabel("epoch")
+    right.set_ylabel("training loss")
+    setting = results.get("accuracy_setting", {})
+    right.set_title(f"digits CNN (1.08 M), N={setting.get('workers')}")
+    right.legend(fontsize=6, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    app.run(main)
