@@ -50,7 +50,8 @@ def _load(name):
         return json.load(f)
 
 
-RESULTS = ("rates.json", "straggler.json", "quality.json", "scaling.json", "compression.json")
+RESULTS = ("rates.json", "straggler.json", "quality.json", "scaling.json", "compression.json",
+           "network.json")
 MEASURED = set()  # what this run measured
 
 
@@ -190,6 +191,53 @@ def compression_section(result):
     return parts
 
 
+def network_section(result):
+    """Step time and accuracy of every compressor on a rate-limited network
+    (`benchmarks/network.py`), with the wire bytes at each measured N."""
+    parts = ["## Compression on a slow network", "",
+             f"`benchmarks/network.py`: {result['job']}; {result['network']}; "
+             f"{result['machine']}. Timing: median seconds per step of the chief over "
+             f"{result.get('timing_steps', '?')} steps; speed-up = uncompressed step time over "
+             "the codec's at the same bandwidth and N, in the same run. `bytes_on_wire` is "
+             "what one worker receives per step at that N (Keras logs); the ratio is the dense "
+             "ring all-reduce's over it.", ""]
+    timing = result.get("timing", {})
+    settings = sorted(timing)
+    if settings:
+        names = list(next(iter(timing.values())))
+        header = ["compressor"] + [f"{s}: s/step (speed-up)" for s in settings]
+        by_n = {}
+        for setting in settings:
+            by_n.setdefault(setting.split("N=")[1], setting)
+        header += [f"wire bytes, ratio (N={n})" for n in by_n]
+        rows = []
+        for name in names:
+            row = [name]
+            for setting in settings:
+                r = timing[setting].get(name, {})
+                row.append(f"{r['seconds_per_step']:.3f} ({r.get('speedup', 0):.1f}x)"
+                           if "seconds_per_step" in r else "error")
+            for setting in by_n.values():
+                r = timing[setting].get(name, {})
+                row.append(f"{int(r['bytes_on_wire']):,}, {r['compression_ratio']:.1f}x"
+                           if "bytes_on_wire" in r else "")
+            rows.append(row)
+        parts += [_table(header, rows), ""]
+    accuracy = result.get("accuracy", {})
+    if accuracy:
+        setting = result["accuracy_setting"]
+        parts += [f"Digits test accuracy after {setting['epochs']} epochs, N = "
+                  f"{setting['workers']} (network: {setting['bandwidth'] or 'no limit'}; one "
+                  "seed), and points against uncompressed:", ""]
+        rows = [[name, f"{r['test_accuracy']:.4f}" if "test_accuracy" in r else "error",
+                 f"{100 * r['accuracy_difference']:+.1f}" if "accuracy_difference" in r else "",
+                 f"{r['loss'][-1]:.3f}" if r.get("loss") else ""]
+                for name, r in accuracy.items()]
+        parts += [_table(["compressor", "test accuracy", "points", "final loss"], rows), ""]
+    parts += ["![network](network.png)", ""]
+    return parts
+
+
 def rates_section(rates):
     parts = ["## Update rates, every strategy on one job", "",
              f"{rates['num_workers']} workers, {rates['job']}, {rates['network']}; global "
@@ -285,6 +333,8 @@ def write_report(straggler, quality, scaling, capacity_result, compression, rate
               f"the top-k ratio measured below (x{capacity_result['fit']['compression_ratio']:g})"
               ".", ""]
     parts += compression_section(compression)
+    if os.path.exists(_path("network.json")):
+        parts += network_section(_load("network.json"))
     with open(_path("report.md"), "w") as f:
         f.write("\n".join(parts))
 
@@ -313,6 +363,11 @@ def main(argv):
     if _needed("compression.json"):
         _run("compression.py", f"--out={_path('compression')}",
              *([] if FLAGS.full else ["--fast"]))
+    if _needed("network.json"):
+        _run("network.py", f"--out={_path('network')}",
+             *([] if FLAGS.full else ["--compressors=none,fp16,topk,powersgd", "--workers=2",
+                                      "--bandwidths=100mbit", "--epochs=3",
+                                      "--timing_steps=10", "--nowithout_error_feedback"]))
     compression = _load("compression.json")
     topk = compression["exchange"]["compressors"].get("topk")
     scaling = _load("scaling.json")

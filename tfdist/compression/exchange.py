@@ -298,10 +298,12 @@ def compression_logs(stats):
     """Keras log entries for the exchange statistics of one step.
 
     `bytes_sent` is one replica's payload and `bytes_dense` the same gradients uncompressed.
-    With an all-reduce exchange, `bytes_on_wire` is what one replica received on the wire
-    for the exchange actually used, at the job's N; `compression_ratio` is then the dense
-    ring all-reduce's wire bytes at the same N over it (with one replica, or on the
-    parameter-server push path, payload against dense).
+    `bytes_on_wire` is what one replica moves on the wire for the exchange actually used: in
+    an all-reduce what it receives at the job's N, and `compression_ratio` the dense ring
+    all-reduce's wire bytes at the same N over it; on the parameter-server push path what a
+    worker sends and receives in its round trips (the reply, the model, is dense), and the
+    ratio the same round trips with a dense push over it. With one replica: payload against
+    dense.
     """
     sent = tf.cast(stats["bytes_sent"], tf.float32)
     dense = tf.cast(stats["bytes_dense"], tf.float32)

@@ -197,6 +197,10 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                                                tf.int64), trainable=False, name="tfdist_stats")
             self._bytes_sent = tf.Variable(0, dtype=tf.int64, trainable=False,
                                            name="tfdist_bytes_sent")
+            # What this worker sent and received on the wire in its last round trips, and
+            # the same with its pushes dense (`bytes_on_wire` / `bytes_on_wire_dense`).
+            self._wire = tf.Variable([0, 0], dtype=tf.int64, trainable=False,
+                                     name="tfdist_wire_bytes")
             self._local_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
                                             name="tfdist_local_steps")
             self._round_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
@@ -559,7 +563,7 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
 
     def _exchange(self, main_tensor):
         """One push-and-receive per ps task, in parallel; the replies land in the mirrors."""
-        updates, sent = [], []
+        updates, sent, pushed_values = [], [], []
         # One read of every shard's tag before any push: a read per shard after the previous
         # shard's reply was written would make each round trip wait for the one before.
         tags = tf.unstack(self._tags.read_value())
@@ -575,6 +579,7 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             values = protocol.ShardLayout.flatten(
                 [p.take(p.variable.read_value()) for p in parts[len(layout.main):]])
             tag = tags[shard]
+            pushed_values.append(values)
             payload, state_updates = (main, *[c for pair in rows for c in pair]), []
             if self._compressor is not None:
                 payload, state_updates = self._compress(shard, main, tag)
@@ -584,8 +589,24 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                 replies.append(client.push_and_receive(tag, payload, values))
         updates += self._assign_replies(replies)
         if sent:
-            updates.append(self._bytes_sent.assign(sum_payload_bytes(sent)))
+            payload_bytes = sum_payload_bytes(sent)
+            updates.append(self._bytes_sent.assign(payload_bytes))
+            updates.append(self._wire.assign(self._wire_bytes(payload_bytes, pushed_values,
+                                                              replies)))
         return tf.group(updates)
+
+    def _wire_bytes(self, payload_bytes, pushed_values, replies):
+        """`[compressed, dense]` bytes of this worker's round trips to every ps task: each
+        push (its tag and rank, the state values it carries, the payload) and each reply
+        (its token, progress and the worker's shard of the model: replies are never
+        compressed, so the push path's ratio is at most about 2x)."""
+        header = 16 + 8 * (1 + protocol.num_stats(self._connection.num_workers))
+        common = tf.constant(header * len(self._clients), tf.int64)
+        for values, (_, _, reply) in zip(pushed_values, replies):
+            common += 4 * (tf.size(values, out_type=tf.int64)
+                           + tf.size(reply, out_type=tf.int64))
+        dense = 4 * sum(layout.main_size for layout in self._layouts)
+        return tf.stack([common + payload_bytes, common + dense])
 
     def _compress(self, shard, flat, tag):
         """Compresses this worker's part for `shard`, variable by variable where the codec's
@@ -669,8 +690,11 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             logs["staleness_max"] = stats[protocol.STAT_STALENESS_MAX]
         if self._compressor is not None:
             dense = 4 * sum(layout.main_size for layout in self._layouts)
+            wire = self._wire.read_value()
             logs.update(compression_logs({"bytes_sent": self._bytes_sent.read_value(),
-                                          "bytes_dense": tf.constant(dense, tf.int64)}))
+                                          "bytes_dense": tf.constant(dense, tf.int64),
+                                          "bytes_on_wire": wire[0],
+                                          "bytes_on_wire_dense": wire[1]}))
         return logs
 
     # Lifecycle ---------------------------------------------------------------------------
