@@ -1,7 +1,7 @@
 """Compressed all-reduce on a slow network: step time and accuracy of every compressor against
 uncompressed, on local clusters whose network is rate-limited (`LocalCluster(bandwidth=)`).
 
-    python benchmarks/network.py --out=benchmarks/results/network            # ~1 hour
+    python benchmarks/network.py --out=benchmarks/results/network            # hours
     python benchmarks/network.py --out=/tmp/n --compressors=none,topk --workers=2 \
         --bandwidths=100mbit --epochs=2                                       # minutes
 
@@ -38,6 +38,9 @@ flags.DEFINE_string("out", os.path.join("benchmarks", "results", "network"),
 flags.DEFINE_list("compressors", None, "Compressors (default: none and every registered).")
 flags.DEFINE_list("bandwidths", ["100mbit", "1gbit"], "Link rates (tc units).")
 flags.DEFINE_list("workers", ["2", "4"], "Worker counts N of the timing runs.")
+flags.DEFINE_list("wide_compressors", None,
+                  "Compressors timed at every bandwidth and N; the others only at the first "
+                  "of each (default: all everywhere).")
 flags.DEFINE_integer("accuracy_workers", 2, "N of the accuracy runs.")
 flags.DEFINE_string("accuracy_bandwidth", None, "Link rate of the accuracy runs (None: no "
                     "limit; accuracy does not depend on it, the run's length does).")
@@ -54,10 +57,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SETTINGS = {
     "topk": {"ratio": 0.01},
     "randomk": {"ratio": 0.01},
-    "dgc": {"ratio": 0.001, "momentum": 0.9, "warmup_steps": 40},
+    "dgc": {"ratio": 0.001, "momentum": 0.9, "warmup_steps": 40},  # accuracy runs
     "powersgd": {"rank": 4},
     "threshold": {"threshold": 0.001},
 }
+
+
+# Timing runs measure the steady state: no warm-up (DGC's would cover every timed step).
+TIMING_SETTINGS = {"dgc": {"warmup_steps": 0}}
 
 
 def run(compression, workers, bandwidth, extra):
@@ -107,12 +114,17 @@ def main(argv):
         "settings": SETTINGS, "machine": "2 cores shared by every task"})
     if "timing" in FLAGS.parts:
         timing = {}
+        first = (FLAGS.bandwidths[0], int(FLAGS.workers[0]))
         for bandwidth in FLAGS.bandwidths:
             for workers in map(int, FLAGS.workers):
                 row = timing.setdefault(f"{bandwidth}, N={workers}", {})
                 for name in names:
+                    if ((bandwidth, workers) != first and FLAGS.wide_compressors
+                            and name not in FLAGS.wide_compressors):
+                        continue
                     row[name] = run(name, workers, bandwidth,
-                                    {"max_steps": FLAGS.timing_steps})
+                                    {"max_steps": FLAGS.timing_steps,
+                                     "config": dict(TIMING_SETTINGS.get(name, {}))})
                     print(f"[timing {bandwidth} N={workers}] {name}: "
                           f"{row[name].get('seconds_per_step', row[name].get('error'))}",
                           flush=True)
