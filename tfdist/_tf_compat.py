@@ -62,6 +62,14 @@ def keras_optimizer_in_scope():
     return None
 
 
+def in_xla_context():
+    """Whether the function being traced is compiled by XLA (`jit_compile=True`)."""
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_util
+
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
 def keras_gradient_all_reduce(strategy):
     """`(optimizer, variables)` of the gradients a Keras optimizer of `strategy` is
     all-reducing right now (variables in the order of the gradients), or None. An optimizer

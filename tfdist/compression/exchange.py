@@ -289,8 +289,9 @@ class GradientExchange:
         n = communicator.num_replicas
         return result, {"bytes_sent": bytes_sent,
                         "bytes_dense": tf.constant(dense_bytes, tf.int64),
-                        "bytes_on_wire": communicator.wire_bytes(),
-                        "bytes_on_wire_dense": tf.constant(2 * (n - 1) * dense_bytes // n,
+                        # Ring collectives send as much as they receive: both count.
+                        "bytes_on_wire": 2 * communicator.wire_bytes(),
+                        "bytes_on_wire_dense": tf.constant(4 * (n - 1) * dense_bytes // n,
                                                            tf.int64)}
 
 
@@ -298,9 +299,10 @@ def compression_logs(stats):
     """Keras log entries for the exchange statistics of one step.
 
     `bytes_sent` is one replica's payload and `bytes_dense` the same gradients uncompressed.
-    `bytes_on_wire` is what one replica moves on the wire for the exchange actually used: in
-    an all-reduce what it receives at the job's N, and `compression_ratio` the dense ring
-    all-reduce's wire bytes at the same N over it; on the parameter-server push path what a
+    `bytes_on_wire` is what one replica sends and receives on the wire for the exchange
+    actually used: in an all-reduce at the job's N (ring collectives send as much as they
+    receive), and `compression_ratio` the dense ring all-reduce's wire bytes at the same N
+    over it; on the parameter-server push path what a
     worker sends and receives in its round trips (the reply, the model, is dense), and the
     ratio the same round trips with a dense push over it. With one replica: payload against
     dense.

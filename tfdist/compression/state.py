@@ -59,14 +59,16 @@ class CompressionState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
         names them in files), or None.
     """
 
-    def __init__(self, strategy, replica_offset=0, optimizer=None):
+    def __init__(self, strategy, replica_offset=0, optimizer=None, codec=None):
         self._strategy = strategy
         self._replica_offset = replica_offset
         self._optimizer = None if optimizer is None else weakref.ref(optimizer)
+        self._codec = codec or {}  # the compressor's class and config, saved with the state
         self.variables = {}  # key -> {name: replica-local variable}
         self._initial = {}  # key -> make_initial
         self._replicated = {}  # key -> names every replica holds alike
-        self._pending = {}  # saved name -> value, for variables not made yet
+        # Saved name -> value, restored for state not made yet (None: nothing restored).
+        self._pending = None
 
     # Variables ------------------------------------------------------------------------------
 
@@ -84,20 +86,16 @@ class CompressionState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
                                       synchronization=tf.VariableSynchronization.ON_READ,
                                       aggregation=tf.VariableAggregation.NONE)
                     for name, value in initial.items()}
-                if self._pending:
+                if self._pending is not None:
                     self._assign(key, self._pending)
         local = self._strategy.experimental_local_results
         return {name: local(v) for name, v in self.variables[key].items()}
 
     def reset(self):
         """Sets every state back to its value before the first step (residuals to zero)."""
-        self._pending = {}
-        for key, variables in self.variables.items():
-            with tf.init_scope():
-                initial = self._initial[key]()
-                for name, variable in variables.items():
-                    for component in self._strategy.experimental_local_results(variable):
-                        component.assign(initial[name])
+        self._pending = None
+        for key in self.variables:
+            self._assign(key, {})
 
     # Saving ---------------------------------------------------------------------------------
 
@@ -114,7 +112,7 @@ class CompressionState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
     def values(self):
         """`{saved name: numpy value}` of this process's state (and of values restored
         for state not made yet)."""
-        values = dict(self._pending)
+        values = dict(self._pending or {})
         positions = self._positions()
         for key, variables in self.variables.items():
             for name, variable in variables.items():
@@ -128,53 +126,82 @@ class CompressionState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
                                             positions)] = component.numpy()
         return values
 
-    def restore(self, values):
-        """Takes saved `values` (from `values()`): assigned now to state that exists, kept for
-        state made later."""
+    def restore(self, values, codec=None):
+        """Replaces the state with saved `values` (from `values()`): state that exists takes
+        its saved value, or its start where the file has none for this replica; state made
+        later takes its saved value then. Values of other replicas are dropped, and so is
+        everything saved under another compressor (`codec`: its class and config)."""
+        if codec is not None and self._codec and codec != self._codec:
+            log.warning("tfdist: the compression state in this file was saved with %s, this "
+                        "strategy compresses with %s: not restored (the state starts over)",
+                        codec, self._codec)
+            values = {}
+        mine = {f"/replica_{self._replica_offset + r}"
+                for r in range(len(self._strategy.extended.worker_devices))}
+        values = {name: value for name, value in values.items()
+                  if "/replica_" not in name or name[name.rindex("/replica_"):] in mine}
         self._pending = dict(values)
         for key in self.variables:
             self._assign(key, values)
 
     def _assign(self, key, values):
+        """Sets `key`'s state to its entries in `values`, or to its start; the entries used
+        leave `self._pending`."""
         positions = self._positions()
+        values = dict(values)  # (it may be `self._pending`, which loses what is used)
+        with tf.init_scope():
+            initial = self._initial[key]()
         for name, variable in self.variables[key].items():
             components = self._strategy.experimental_local_results(variable)
             for r, component in enumerate(components):
                 saved = self._saved_name(
                     key, name, None if name in self._replicated[key] else self._replica_offset + r,
                     positions)
-                if saved not in values:
-                    continue
-                value = np.asarray(values[saved])
-                if tuple(value.shape) != tuple(component.shape):
+                value = values.get(saved)
+                if self._pending is not None:
+                    self._pending.pop(saved, None)
+                if value is not None and tuple(np.shape(value)) != tuple(component.shape):
                     log.warning("tfdist: compression state %r was saved with shape %s, the "
-                                "model's is %s: not restored", saved, value.shape,
+                                "model's is %s: not restored", saved, np.shape(value),
                                 tuple(component.shape))
-                    continue
+                    value = None
                 with tf.init_scope():
-                    component.assign(value.astype(component.dtype.as_numpy_dtype))
+                    component.assign(initial[name] if value is None else
+                                     np.asarray(value).astype(component.dtype.as_numpy_dtype))
 
     def to_bytes(self):
         buffer = io.BytesIO()
         values = self.values()
         names = sorted(values)
         np.savez(buffer, names=np.array(json.dumps(names)),
+                 codec=np.array(json.dumps(self._codec, sort_keys=True)),
                  **{str(i): values[name] for i, name in enumerate(names)})
         return buffer.getvalue()
 
     def from_bytes(self, data):
+        """Restores from `to_bytes()`; empty bytes (a graph-mode save) restore nothing."""
+        if not data:
+            return
         with np.load(io.BytesIO(data)) as arrays:
             names = json.loads(str(arrays["names"]))
-            self.restore({name: arrays[str(i)] for i, name in enumerate(names)})
+            codec = json.loads(str(arrays["codec"])) if "codec" in arrays else None
+            self.restore({name: arrays[str(i)] for i, name in enumerate(names)}, codec)
 
     # tf.train.Checkpoint: the whole state as one string (its entries change as variables
     # are made; a checkpoint restores the names a trackable has now, so one fixed name).
+    # A SavedModel export traces this in a graph, where the state is not read: empty.
     def _serialize_to_tensors(self):
-        return {"state": tf.constant(self.to_bytes())}
+        data = self.to_bytes() if tf.executing_eagerly() else b""
+        return {"state": tf.constant(data)}
 
     def _restore_from_tensors(self, restored_tensors):
-        self.from_bytes(restored_tensors["state"].numpy())
+        if tf.executing_eagerly():  # (a SavedModel traces this too: nothing to restore)
+            self.from_bytes(restored_tensors["state"].numpy())
         return tf.no_op()
+
+    def _copy_trackable_to_cpu(self, object_map):
+        # An asynchronous checkpoint saves a copy made now, in another thread later.
+        object_map[self] = _Snapshot(self.to_bytes())
 
     # Keras saving (`model.save`, `save_weights`, ModelCheckpoint, BackupAndRestore).
     def _obj_type(self):
@@ -189,13 +216,25 @@ class CompressionState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
     def load_own_variables(self, store):
         if "state" in store.keys():
             self.from_bytes(np.asarray(store["state"]).tobytes())
+        else:  # a file saved without codec state: the weights are not the residuals' own
+            self.restore({})
 
 
-def state_of(optimizer, strategy, replica_offset=0):
+class _Snapshot(_tf_compat.Trackable):
+    """A `CompressionState`'s bytes at one moment (an asynchronous checkpoint's copy)."""
+
+    def __init__(self, data):
+        self._data = data
+
+    def _serialize_to_tensors(self):
+        return {"state": tf.constant(self._data)}
+
+
+def state_of(optimizer, strategy, replica_offset=0, codec=None):
     """The `CompressionState` of `optimizer` (made and attached on first use)."""
     state = getattr(optimizer, ATTRIBUTE, None)
     if state is None:
-        state = CompressionState(strategy, replica_offset, optimizer)
+        state = CompressionState(strategy, replica_offset, optimizer, codec)
         setattr(optimizer, ATTRIBUTE, state)
     return state
 

@@ -14,8 +14,10 @@ strategy's `reduce` accepts both. No Keras code is patched.
 """
 
 import itertools
+import json
 import logging
 import os
+import weakref
 
 import tensorflow as tf
 
@@ -51,7 +53,10 @@ class _CompressedExchangeMixin:
                           else GradientExchange(compressor, self._container_strategy()))
         self._compression_trace = None  # the outermost step being traced: stats written?
         self._stats = None
-        self._states = []  # the codec states of the optimizers made under this strategy
+        # The codec states of the optimizers made under this strategy (alive: a state lives
+        # as long as its optimizer).
+        self._states = weakref.WeakValueDictionary()  # in order of creation
+        self._state_count = itertools.count()
 
     @property
     def compressor(self):
@@ -62,10 +67,12 @@ class _CompressedExchangeMixin:
         return getattr(self, "_id_in_cluster", 0) * len(self.worker_devices)
 
     def _state_of(self, optimizer):
+        compressor = self._exchange.compressor
+        codec = {"class": type(compressor).__name__, "config": compressor.get_config()}
         state = compression_state.state_of(optimizer, self._container_strategy(),
-                                           self._replica_offset())
-        if all(state is not known for known in self._states):
-            self._states.append(state)
+                                           self._replica_offset(), json.loads(json.dumps(codec)))
+        if state not in self._states.values():
+            self._states[next(self._state_count)] = state
         return state
 
     def _create_variable(self, next_creator, **kwargs):
@@ -81,7 +88,8 @@ class _CompressedExchangeMixin:
     def compression_states(self):
         """The codec states of the optimizers made under this strategy that hold state
         (a LossScaleOptimizer's own holds none: its inner optimizer's gradients are coded)."""
-        return [state for state in self._states if state.variables or state.values()]
+        states = [self._states.get(i) for i in sorted(self._states.keys())]
+        return [s for s in states if s is not None and (s.variables or s.values())]
 
     def _stats_variables(self):
         """Step statistics, written where the gradients are exchanged and read where the
@@ -198,6 +206,14 @@ class _CompressedExchangeMixin:
         if found is None:
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
         optimizer, variables = found
+        if (self._exchange.compressor.variable_size
+                and _tf_compat.in_xla_context()):
+            raise ValueError(
+                f"tfdist: `compression={self._exchange.compressor.name!r}` cannot run inside "
+                "an XLA-compiled step (`jit_compile=True`): its payload's size follows the "
+                "data, which XLA cannot compile. Compile the model with jit_compile=False "
+                "(Keras's default under a distribution strategy), or use a compressor whose "
+                "payload has a fixed size (dgc without warm-up, topk, qsgd, ...)")
         # Keyed (and matched by `exclude`) by the variables' Keras paths.
         names = compression_state.unique_names(
             _tf_compat.keras_variable_paths(optimizer, variables))
