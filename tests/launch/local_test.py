@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import tensorflow as tf
@@ -141,6 +142,35 @@ class LocalClusterTest(tf.test.TestCase):
             cluster.restart("ps:0")
         self._assert_torn_down(cluster)
 
+    def test_a_chatty_task_keeps_only_the_latest_lines(self):
+        # 20,000 lines through a cluster that keeps 100: what is kept never passes the bound
+        # (sampled while the task writes), and it is the latest lines.
+        total, bound = 20_000, 100
+        kept = []
+
+        def sample(cluster, done):
+            while not done.is_set():
+                kept.append(len(cluster.lines))
+                time.sleep(0.001)
+
+        with LocalCluster(_python(f"for i in range({total}): print('line', i)"), num_ps=0,
+                          num_workers=1, output=None, max_lines=bound, timeout=RUN_TIMEOUT,
+                          isolate_network=False) as cluster:
+            done = threading.Event()
+            sampler = threading.Thread(target=sample, args=(cluster, done), daemon=True)
+            sampler.start()
+            try:
+                result = cluster.wait()
+            finally:
+                done.set()
+                sampler.join(10)
+        self.assertEqual(result.returncode, 0, cluster.lines)
+        self.assertNotEmpty(kept)
+        self.assertLessEqual(max(kept), bound)
+        self.assertEqual(cluster.lines, [("worker:0", f"line {i}")
+                                         for i in range(total - bound, total)])
+        self.assertEqual(cluster.dropped_lines, total - bound)
+
     def test_exception_in_with_block_tears_down(self):
         with self.assertRaises(RuntimeError):
             with LocalCluster(_python("import time; time.sleep(120)"), num_ps=1, num_workers=1,
@@ -156,6 +186,9 @@ class LocalClusterTest(tf.test.TestCase):
             LocalCluster("python train.py")
         with self.assertRaisesRegex(ValueError, "`timeout` must be a positive"):
             LocalCluster(["true"], timeout=-1)
+        with self.assertRaisesRegex(ValueError, "`max_lines` must be an integer >= 1. "
+                                                "Received: 0"):
+            LocalCluster(["true"], max_lines=0)
 
 
 class LauncherCliTest(tf.test.TestCase):

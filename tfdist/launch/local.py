@@ -9,11 +9,13 @@ print(result.returncode, result.failed_task)
 Every task is its own process group started with its own TF_CONFIG on free localhost ports,
 inside a private network namespace where the system allows one (`tfdist.launch.isolation`):
 nothing outside the cluster can reach its servers.
-Output lines are prefixed with the task (`[worker:1] ...`). The cluster is torn down on the
+Output lines are prefixed with the task (`[worker:1] ...`); the latest `max_lines` of them are
+kept in `lines` (a long run's output does not pile up in memory). The cluster is torn down on the
 first failing task (after `grace_period`), on `timeout`, on Ctrl-C, and on leaving the `with`
 block: no process or open port outlives it.
 """
 
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -24,7 +26,6 @@ import sys
 import threading
 import time
 from typing import Dict
-from typing import List
 from typing import Optional
 
 from tfdist.cluster import ClusterConfig
@@ -80,25 +81,20 @@ def _die_with(parent):
 
 
 class _Task:
-    """One child process and the thread that prefixes its output."""
+    """One child process and the thread that hands its output lines to `record`."""
 
-    def __init__(self, name, argv, env, output, lines, lock, cwd, preexec_fn=None):
+    def __init__(self, name, argv, env, record, cwd, preexec_fn=None):
         self.name = name
         self.process = subprocess.Popen(
             argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec_fn)
         self._reader = threading.Thread(
-            target=self._pump, args=(output, lines, lock), daemon=True, name=f"pump-{name}")
+            target=self._pump, args=(record,), daemon=True, name=f"pump-{name}")
         self._reader.start()
 
-    def _pump(self, output, lines, lock):
+    def _pump(self, record):
         for raw in iter(self.process.stdout.readline, b""):
-            line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            with lock:
-                lines.append((self.name, line))
-                if output is not None:
-                    output.write(f"[{self.name}] {line}\n")
-                    output.flush()
+            record(self.name, raw.decode("utf-8", errors="replace").rstrip("\n"))
         self.process.stdout.close()
 
     def signal(self, sig):
@@ -130,8 +126,10 @@ class LocalCluster:
       timeout: seconds the whole run may take, or None.
       grace_period: seconds the other tasks get to finish on their own after one fails.
       env: extra environment variables for every task.
-      output: where prefixed output lines go (`sys.stdout` by default, None for nowhere);
-        every line is also kept in `lines` as `(task, text)`.
+      output: where prefixed output lines go (`sys.stdout` by default, None for nowhere).
+      max_lines: how many of the latest output lines `lines` keeps, as `(task, text)`; older
+        ones are dropped (counted in `dropped_lines`), so that memory stays bounded however
+        long and chatty the run.
       host: the host name written into TF_CONFIG.
       ps_threads: inter-op threads of each ps server.
       ps_imports: modules each ps task imports before it serves (custom optimizers,
@@ -154,13 +152,15 @@ class LocalCluster:
     def __init__(self, command, num_ps=1, num_workers=1, timeout=None, grace_period=3.0,
                  env=None, output=sys.stdout, host="localhost", ps_threads=None,
                  startup_timeout=30.0, cwd=None, stop_on_failure=True,
-                 isolate_network="auto", ps_imports=(), bandwidth=None):
+                 isolate_network="auto", ps_imports=(), bandwidth=None, max_lines=10000):
         if not command or isinstance(command, str):
             raise ValueError(f"`command` must be a non-empty argv list. Received: {command!r}")
         if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
             raise ValueError(f"`num_ps` must be an integer >= 0. Received: {num_ps!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"`num_workers` must be an integer >= 1. Received: {num_workers!r}")
+        if isinstance(max_lines, bool) or not isinstance(max_lines, int) or max_lines < 1:
+            raise ValueError(f"`max_lines` must be an integer >= 1. Received: {max_lines!r}")
         if timeout is not None and timeout <= 0:
             raise ValueError(f"`timeout` must be a positive number of seconds or None. "
                              f"Received: {timeout!r}")
@@ -196,7 +196,8 @@ class LocalCluster:
         self.config = ClusterConfig.from_hosts(
             ps_hosts=[f"{host}:{p}" for p in ports[:num_ps]],
             worker_hosts=[f"{host}:{p}" for p in ports[num_ps:]])
-        self.lines: List[tuple] = []
+        self._lines = collections.deque(maxlen=max_lines)
+        self._recorded = 0
         self._lock = threading.Lock()
         self._tasks: Dict[str, _Task] = {}
         self._start_time = None
@@ -222,8 +223,7 @@ class LocalCluster:
             if network is not None:
                 network.enter_in_child()
 
-        self._tasks[name] = _Task(name, argv, env, self.output, self.lines, self._lock, self.cwd,
-                                  preexec)
+        self._tasks[name] = _Task(name, argv, env, self._record, self.cwd, preexec)
 
     def start(self):
         """Starts the ps tasks, waits until they listen, then starts the workers."""
@@ -280,6 +280,26 @@ class LocalCluster:
             except TaskUnreachableError:
                 if time.monotonic() > deadline:
                     raise
+
+    @property
+    def lines(self):
+        """The latest output lines, `(task, text)`, oldest first: a list of its own."""
+        with self._lock:
+            return list(self._lines)
+
+    @property
+    def dropped_lines(self):
+        """How many output lines were dropped from `lines` to keep it within `max_lines`."""
+        with self._lock:
+            return self._recorded - len(self._lines)
+
+    def _record(self, task, line):
+        with self._lock:
+            self._lines.append((task, line))
+            self._recorded += 1
+            if self.output is not None:
+                self.output.write(f"[{task}] {line}\n")
+                self.output.flush()
 
     @property
     def task_names(self):
@@ -362,11 +382,7 @@ class LocalCluster:
             time.sleep(0.05)
 
     def _announce(self, message):
-        with self._lock:
-            self.lines.append(("tfdist-launch", message))
-            if self.output is not None:
-                self.output.write(f"[tfdist-launch] {message}\n")
-                self.output.flush()
+        self._record("tfdist-launch", message)
 
     def stop(self, kill_after=5.0):
         """Stops every task that still runs: SIGTERM, then SIGKILL after `kill_after` s."""
