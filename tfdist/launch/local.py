@@ -8,7 +8,8 @@ print(result.returncode, result.failed_task)
 
 Every task is its own process group started with its own TF_CONFIG on free localhost ports,
 inside a private network namespace where the system allows one (`tfdist.launch.isolation`):
-nothing outside the cluster can reach its servers.
+nothing outside the cluster can reach its servers, and the tasks reach out (downloads, logging
+services) through slirp4netns where it is installed.
 Output lines are prefixed with the task (`[worker:1] ...`); the latest `max_lines` of them are
 kept in `lines` (a long run's output does not pile up in memory). The cluster is torn down on the
 first failing task (after `grace_period`), on `timeout`, on Ctrl-C, and on leaving the `with`
@@ -33,6 +34,7 @@ from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import pick_free_ports
 from tfdist.cluster import wait_for_tasks
 from tfdist.launch.isolation import IsolationUnavailable
+from tfdist.launch.isolation import loopback_resolvers
 from tfdist.launch.isolation import parse_bandwidth
 from tfdist.launch.isolation import private_network
 
@@ -147,12 +149,16 @@ class LocalCluster:
         one machine. Every task's traffic crosses that one link: the tasks share its rate.
         Needs the private network (and `tc`): refused with `isolate_network=False`, an error
         where the system refuses.
+      outbound_network: "auto" (default) gives the private network outbound connections
+        through slirp4netns where it is installed (nothing can connect in); False keeps it
+        sealed: the tasks reach each other and nothing else.
     """
 
     def __init__(self, command, num_ps=1, num_workers=1, timeout=None, grace_period=3.0,
                  env=None, output=sys.stdout, host="localhost", ps_threads=None,
                  startup_timeout=30.0, cwd=None, stop_on_failure=True,
-                 isolate_network="auto", ps_imports=(), bandwidth=None, max_lines=10000):
+                 isolate_network="auto", ps_imports=(), bandwidth=None, max_lines=10000,
+                 outbound_network="auto"):
         if not command or isinstance(command, str):
             raise ValueError(f"`command` must be a non-empty argv list. Received: {command!r}")
         if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
@@ -184,6 +190,10 @@ class LocalCluster:
             raise ValueError(f"`isolate_network` must be 'auto', True or False. Received: "
                              f"{isolate_network!r}")
         self.isolate_network = isolate_network
+        if outbound_network not in ("auto", False):
+            raise ValueError(f"`outbound_network` must be 'auto' or False. Received: "
+                             f"{outbound_network!r}")
+        self.outbound_network = outbound_network
         if bandwidth is not None:
             parse_bandwidth(bandwidth)
             if isolate_network is False:
@@ -242,11 +252,7 @@ class LocalCluster:
                 if self.bandwidth is not None:
                     self.network.limit_bandwidth(self.bandwidth)
                 if self.network is not None:
-                    self._announce(
-                        "the tasks run in a private network with only a loopback: they reach "
-                        "each other, and nothing else (no downloads, no logging services); "
-                        "--noisolate_network / isolate_network=False gives them this "
-                        "machine's network")
+                    self._announce(self._connect_outbound())
             for i in range(self.config.num_ps):
                 argv = [sys.executable, "-m", "tfdist.launch", "--job_name=ps",
                         f"--task_index={i}", "--ps_hosts=" + ",".join(self.config.cluster["ps"])]
@@ -261,6 +267,22 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+
+    def _connect_outbound(self):
+        """Gives the private network its way out where it can; says what the tasks reach."""
+        why_not = ("--nooutbound_network / outbound_network=False keeps it sealed"
+                   if self.outbound_network is False else self.network.connect_outbound())
+        if why_not is None:
+            resolvers = loopback_resolvers()
+            return ("the tasks run in a private network: they reach each other, and the "
+                    "outside through slirp4netns (outgoing connections only; nothing can "
+                    "connect in, and this machine's loopback services are out of reach"
+                    + (f", its name server {resolvers[0]} too: host names do not resolve "
+                       "there" if resolvers else "") + ")")
+        return ("the tasks run in a private network with only a loopback: they reach each "
+                f"other, and nothing else (no downloads, no logging services: {why_not}); "
+                "--noisolate_network / isolate_network=False gives them this machine's "
+                "network")
 
     def _wait_for_ps(self):
         addresses = {f"/job:ps/task:{i}": a for i, a in enumerate(self.config.cluster["ps"])}

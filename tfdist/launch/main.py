@@ -63,6 +63,10 @@ flags.DEFINE_bool("isolate_network", True,
                   "With --local: run the tasks in a private network namespace, so that nothing "
                   "outside the cluster can reach its TensorFlow servers (a loud warning where "
                   "the system refuses one). --noisolate_network uses the machine's network.")
+flags.DEFINE_bool("outbound_network", True,
+                  "With --local: let the tasks in the private network open connections out "
+                  "(downloads, logging services) through slirp4netns where it is installed; "
+                  "nothing can connect in. --nooutbound_network keeps the network sealed.")
 flags.DEFINE_string("bandwidth", None,
                     "With --local: limit the cluster's private network to this rate (e.g. "
                     "100mbit, 1gbit; tc's units), shared by all its tasks, so that "
@@ -153,7 +157,8 @@ def _run_local(command):
                                ps_threads=FLAGS.ps_threads,
                                stop_on_failure=FLAGS.stop_on_failure,
                                isolate_network="auto" if FLAGS.isolate_network else False,
-                               ps_imports=FLAGS.ps_import, bandwidth=FLAGS.bandwidth)
+                               ps_imports=FLAGS.ps_import, bandwidth=FLAGS.bandwidth,
+                               outbound_network="auto" if FLAGS.outbound_network else False)
     except ValueError as e:
         raise app.UsageError(str(e).replace("`bandwidth`", "--bandwidth").replace(
             "`isolate_network` 'auto' or True. Received: isolate_network=False",
