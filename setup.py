@@ -16,6 +16,7 @@ setup(
         "keras>=3.15,<3.16",
         "numpy>=1.26",
         "absl-py>=2.1",
+        "pyyaml>=5.1",  # the Kubernetes manifests tfdist-launch writes
     ],
     extras_require={
         # TensorFlow is an extra so that users pick the wheel that fits their machine.
@@ -23,7 +24,8 @@ setup(
         "gpu": ["tensorflow==2.21.0"],
         "examples": ["scikit-learn>=1.3", "matplotlib>=3.7", "tensorboard>=2.20"],
         "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.6", "scikit-learn>=1.3",
-                 "matplotlib>=3.7", "tensorboard>=2.20", "kubernetes-validate>=1.30"],
+                 "matplotlib>=3.7", "tensorboard>=2.20", "kubernetes-validate>=1.30",
+                 "jsonschema>=4.18"],
     },
     entry_points={"console_scripts": ["tfdist-launch=tfdist.launch.main:run"]},
 )

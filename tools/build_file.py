@@ -20,8 +20,8 @@ package(default_visibility = ["//visibility:public"])
 '''
 
 
-def _sources(folder):
-    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / folder).rglob("*.py")
+def _sources(folder, pattern="*.py"):
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / folder).rglob(pattern)
                   if "__pycache__" not in p.parts)
 
 
@@ -34,7 +34,13 @@ def render():
     lines.append("\npy_library(\n    name = \"test_helpers\",\n    testonly = True,\n"
                  "    srcs = [\n")
     lines += [f'        "{src}",\n' for src in helpers]
-    lines.append("    ],\n    deps = [\":tfdist\"],\n)\n")
+    lines.append("    ],\n")
+    data = _sources("tests", "*.json")  # files the tests read (a schema)
+    if data:
+        lines.append("    data = [\n")
+        lines += [f'        "{src}",\n' for src in data]
+        lines.append("    ],\n")
+    lines.append("    deps = [\":tfdist\"],\n)\n")
     for test in (s for s in _sources("tests") if s.endswith("_test.py")):
         name = test[len("tests/"):-len(".py")].replace("/", "_")
         size = "large" if "launch" in test or "strategies" in test else "small"

@@ -1,7 +1,10 @@
 """A local cluster's servers are reachable inside the cluster only."""
 
+import shutil
 import socket
+import subprocess
 import sys
+import threading
 import time
 from unittest import mock
 
@@ -14,13 +17,20 @@ from tfdist.launch.isolation import IsolationUnavailable
 from tfdist.launch.isolation import PrivateNetwork
 from tfdist.launch.isolation import private_network
 
-# The worker checks that the ps answers from inside, says so, and stays up for a while.
+# The worker checks that the ps answers from inside, says so, tries a server outside the
+# cluster (argv 2 and 3), says what it got, and stays up for a while.
 WORKER = """
 import json, os, socket, sys, time
 address = json.loads(os.environ["TF_CONFIG"])["cluster"]["ps"][0]
 host, port = address.rsplit(":", 1)
 with socket.create_connection((host, int(port)), timeout=5):
     print("INSIDE", port, flush=True)
+try:
+    with socket.create_connection((sys.argv[2], int(sys.argv[3])), timeout=5) as outside:
+        outside.settimeout(5)
+        print("OUTSIDE", outside.recv(5).decode() or "nothing", flush=True)
+except OSError as e:
+    print("OUTSIDE", type(e).__name__, flush=True)
 deadline = time.monotonic() + 60
 while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -67,6 +77,38 @@ def _skip_without_namespaces(test):
         test.skipTest(f"this system refuses network namespaces: {e}")
 
 
+def _host_address():
+    """This machine's address on its own network (not a loopback one), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("198.51.100.1", 9))  # a documentation address: no packet is sent
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+class _Greeter:
+    """A server outside the cluster, on this machine's own address, that says HELLO."""
+
+    def __init__(self, host):
+        self.server = socket.create_server((host, 0))
+        self.address = (host, self.server.getsockname()[1])
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            with connection:
+                connection.sendall(b"HELLO")
+
+    def close(self):
+        self.server.close()
+
+
 def _connects(host, port):
     try:
         with socket.create_connection((host, port), timeout=1):
@@ -82,9 +124,16 @@ class IsolationTest(tf.test.TestCase):
         _skip_without_namespaces(self)
 
     def test_ps_is_reachable_inside_the_cluster_only(self):
+        # ... and the tasks reach out through slirp4netns where it is installed.
         done = self.get_temp_dir() + "/done"
-        with LocalCluster([sys.executable, "-c", WORKER, done], num_ps=1, num_workers=1,
-                          output=None, timeout=90, isolate_network=True) as cluster:
+        host = _host_address()
+        if host is None:
+            self.skipTest("this machine has no address beside its loopback")
+        greeter = _Greeter(host)
+        self.addCleanup(greeter.close)
+        with LocalCluster([sys.executable, "-c", WORKER, done, *map(str, greeter.address)],
+                          num_ps=1, num_workers=1, output=None, timeout=90,
+                          isolate_network=True) as cluster:
             deadline = time.monotonic() + 60
             while not any(line.startswith("INSIDE") for _, line in cluster.lines):
                 self.assertLess(time.monotonic(), deadline, cluster.lines)
@@ -112,9 +161,64 @@ class IsolationTest(tf.test.TestCase):
             open(done, "w").close()
             result = cluster.wait()
         self.assertEqual(result.returncode, 0, cluster.lines)
-        # The user is told at start that the script has no network beyond the cluster.
-        self.assertTrue(any(task == "tfdist-launch" and "--noisolate_network" in line
-                            for task, line in cluster.lines), cluster.lines)
+        outside = next(line.split()[1] for task, line in cluster.lines
+                       if line.startswith("OUTSIDE"))
+        notice = [line for task, line in cluster.lines if task == "tfdist-launch"]
+        if shutil.which("slirp4netns"):
+            self.assertEqual(outside, "HELLO")
+            self.assertTrue(any("the outside through slirp4netns (outgoing connections only"
+                                in line for line in notice), notice)
+        else:
+            # The user is told at start that the script has no network beyond the cluster.
+            self.assertNotEqual(outside, "HELLO")
+            self.assertTrue(any("slirp4netns, which would give it a way out, is not "
+                                "installed" in line and "--noisolate_network" in line
+                                for line in notice), notice)
+
+
+class OutboundTest(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        _skip_without_namespaces(self)
+        if not shutil.which("slirp4netns"):
+            self.skipTest("slirp4netns is not installed")
+        self.host = _host_address()
+        if self.host is None:
+            self.skipTest("this machine has no address beside its loopback")
+
+    def _hello_from_inside(self, network, address):
+        code = ("import socket, sys\n"
+                "try:\n"
+                f"    c = socket.create_connection({address!r}, timeout=5); c.settimeout(5)\n"
+                "    print(c.recv(5).decode())\n"
+                "except OSError as e:\n"
+                "    print(type(e).__name__)\n")
+        return subprocess.run([sys.executable, "-c", code], preexec_fn=network.enter_in_child,
+                              capture_output=True, text=True, timeout=30).stdout.strip()
+
+    def test_slirp4netns_gives_a_way_out_and_goes_with_the_network(self):
+        greeter = _Greeter(self.host)
+        self.addCleanup(greeter.close)
+        network = PrivateNetwork()
+        try:
+            self.assertNotEqual(self._hello_from_inside(network, greeter.address), "HELLO")
+            self.assertIsNone(network.connect_outbound())
+            self.assertTrue(network.has_outbound)
+            process = network._outbound[0]
+            self.assertEqual(self._hello_from_inside(network, greeter.address), "HELLO")
+        finally:
+            network.close()
+        self.assertFalse(network.has_outbound)
+        self.assertIsNotNone(process.poll())  # slirp4netns ended with the network
+
+    def test_loopback_resolvers_are_named(self):
+        path = self.get_temp_dir() + "/resolv.conf"
+        with open(path, "w") as f:
+            f.write("# a comment\nnameserver 127.0.0.53\nnameserver 10.0.0.1\n"
+                    "nameserver ::1\noptions edns0\n")
+        self.assertEqual(isolation.loopback_resolvers(path), ["127.0.0.53", "::1"])
+        self.assertEqual(isolation.loopback_resolvers(path + ".missing"), [])
 
 
 class BandwidthTest(tf.test.TestCase):
@@ -123,11 +227,12 @@ class BandwidthTest(tf.test.TestCase):
         super().setUp()
         _skip_without_namespaces(self)
 
-    def _rate(self, bandwidth, size):
+    def _rate(self, bandwidth, size, **kwargs):
         with LocalCluster([sys.executable, "-c", LINK, str(size)], num_ps=0, num_workers=2,
-                          output=None, timeout=60, bandwidth=bandwidth) as cluster:
+                          output=None, timeout=60, bandwidth=bandwidth, **kwargs) as cluster:
             result = cluster.wait()
         self.assertEqual(result.returncode, 0, cluster.lines)
+        self.notices = [line for task, line in cluster.lines if task == "tfdist-launch"]
         return next(float(line.split()[1]) for _, line in cluster.lines
                     if line.startswith("RATE"))
 
@@ -135,7 +240,11 @@ class BandwidthTest(tf.test.TestCase):
         # 2 MB at 8 Mbit/s: about 2 s (the bucket's first 256 KiB go at once).
         limited = self._rate("8mbit", 2 << 20)
         self.assertBetween(limited, 0.5 * 8e6, 1.5 * 8e6)
-        self.assertGreater(self._rate(None, 2 << 20), 10 * limited)
+        # (This run also keeps its network sealed, on request.)
+        self.assertGreater(self._rate(None, 2 << 20, outbound_network=False), 10 * limited)
+        self.assertTrue(any("nothing else (no downloads, no logging services: "
+                            "--nooutbound_network / outbound_network=False keeps it sealed)"
+                            in line for line in self.notices), self.notices)
 
     def test_bad_bandwidth(self):
         for bad in ("fast", "100", "-5mbit", "1kbit", 100):
@@ -167,6 +276,9 @@ class FallbackTest(tf.test.TestCase):
         with self.assertRaisesRegex(ValueError, "`isolate_network` must be 'auto', True or "
                                                 "False. Received: 'yes'"):
             LocalCluster(["true"], isolate_network="yes")
+        with self.assertRaisesRegex(ValueError, "`outbound_network` must be 'auto' or False. "
+                                                "Received: True"):
+            LocalCluster(["true"], outbound_network=True)
 
 
 if __name__ == "__main__":

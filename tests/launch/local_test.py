@@ -2,9 +2,12 @@
 
 import io
 import os
+import queue
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import tensorflow as tf
@@ -36,6 +39,25 @@ def _line_with(process, text):
     while line and text not in line:
         line = process.stdout.readline()
     return line
+
+
+def _line_within(stream, text, timeout):
+    """The first line of `stream` holding `text`, read on a thread so that the wait is bounded
+    (an empty string if none came within `timeout` s or the stream ended)."""
+    found = queue.Queue()
+
+    def read():
+        for line in stream:
+            if text in line:
+                found.put(line)
+                return
+        found.put("")
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        return found.get(timeout=timeout)
+    except queue.Empty:
+        return ""
 
 
 def _python(code):
@@ -141,6 +163,35 @@ class LocalClusterTest(tf.test.TestCase):
             cluster.restart("ps:0")
         self._assert_torn_down(cluster)
 
+    def test_a_chatty_task_keeps_only_the_latest_lines(self):
+        # 20,000 lines through a cluster that keeps 100: what is kept never passes the bound
+        # (sampled while the task writes), and it is the latest lines.
+        total, bound = 20_000, 100
+        kept = []
+
+        def sample(cluster, done):
+            while not done.is_set():
+                kept.append(len(cluster.lines))
+                time.sleep(0.001)
+
+        with LocalCluster(_python(f"for i in range({total}): print('line', i)"), num_ps=0,
+                          num_workers=1, output=None, max_lines=bound, timeout=RUN_TIMEOUT,
+                          isolate_network=False) as cluster:
+            done = threading.Event()
+            sampler = threading.Thread(target=sample, args=(cluster, done), daemon=True)
+            sampler.start()
+            try:
+                result = cluster.wait()
+            finally:
+                done.set()
+                sampler.join(10)
+        self.assertEqual(result.returncode, 0, cluster.lines)
+        self.assertNotEmpty(kept)
+        self.assertLessEqual(max(kept), bound)
+        self.assertEqual(cluster.lines, [("worker:0", f"line {i}")
+                                         for i in range(total - bound, total)])
+        self.assertEqual(cluster.dropped_lines, total - bound)
+
     def test_exception_in_with_block_tears_down(self):
         with self.assertRaises(RuntimeError):
             with LocalCluster(_python("import time; time.sleep(120)"), num_ps=1, num_workers=1,
@@ -156,6 +207,9 @@ class LocalClusterTest(tf.test.TestCase):
             LocalCluster("python train.py")
         with self.assertRaisesRegex(ValueError, "`timeout` must be a positive"):
             LocalCluster(["true"], timeout=-1)
+        with self.assertRaisesRegex(ValueError, "`max_lines` must be an integer >= 1. "
+                                                "Received: 0"):
+            LocalCluster(["true"], max_lines=0)
 
 
 class LauncherCliTest(tf.test.TestCase):
@@ -195,6 +249,12 @@ class LauncherCliTest(tf.test.TestCase):
              r"needs the private network. Received: --noisolate_network"),
             (["--job_name=worker", "--worker_hosts=a:1", "--bandwidth=1gbit", "--", "true"],
              r"--bandwidth limits the private network of a --local cluster"),
+            (["--job_name=ps", "--ps_hosts=localhost:2", "--exit_after_workers_gone=5"],
+             r"--exit_after_workers_gone watches the workers' ports: give --worker_hosts"),
+            (["--job_name=ps", "--ps_hosts=localhost:2", "--exit_after_workers_gone=0"],
+             r"--exit_after_workers_gone must be a positive number of seconds"),
+            (["--job_name=worker", "--worker_hosts=a:1", "--connect_timeout=-1", "--", "true"],
+             r"--connect_timeout must be a positive number of seconds"),
         ]:
             result = self._run(*args)
             self.assertNotEqual(result.returncode, 0, args)
@@ -259,24 +319,60 @@ class LauncherCliTest(tf.test.TestCase):
                 process.kill()
                 process.wait()
 
-    def test_ps_form_serves_until_sigterm(self):
+    def test_ps_form_exits_once_its_workers_are_gone(self):
+        # With --exit_after_workers_gone a ps keeps serving while its worker (a bare listening
+        # socket here) listens, and exits 0 by itself once the worker is gone, as a Kubernetes
+        # ps pod does when its job's workers are done. (That a ps ends with 0 on SIGTERM is
+        # checked by server_test.py, whose cluster's ps tasks the launcher stops so.)
         from tfdist.cluster import pick_free_ports
-        from tfdist.cluster import wait_for_tasks
 
-        port, = pick_free_ports(1)
-        address = f"localhost:{port}"
+        ps_port, worker_port = pick_free_ports(2)
+        address = f"localhost:{ps_port}"
         process = subprocess.Popen(
-            [sys.executable, "-m", "tfdist.launch", "--job_name=ps", f"--ps_hosts={address}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [sys.executable, "-m", "tfdist.launch", "--job_name=ps", f"--ps_hosts={address}",
+             f"--worker_hosts=localhost:{worker_port}", "--exit_after_workers_gone=1",
+             "--connect_timeout=60"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        worker = socket.create_server(("localhost", worker_port))
         try:
-            wait_for_tasks({"/job:ps/task:0": address}, timeout=30)
-            process.send_signal(signal.SIGTERM)
+            seen = _line_within(process.stderr, "has listened", timeout=60)
+            self.assertIn("every training task (1) has listened; the ps exits once none has "
+                          "for 1 s", seen)
+            time.sleep(2)  # two grace periods with the worker there: still serving
+            self.assertIsNone(process.poll())
+            self.assertTrue(is_listening(address))
+            worker.close()
             self.assertEqual(process.wait(timeout=30), 0)
+            self.assertIn("every training task has come and gone", process.stderr.read())
         finally:
+            worker.close()
             if process.poll() is None:
                 process.kill()
                 process.wait()
         self.assertFalse(is_listening(address))
+
+    def test_worker_form_waits_for_its_ps_with_connect_timeout(self):
+        # A worker given --connect_timeout runs its command once the ps tasks answer (here a
+        # bare listening socket), with the strategies' default timeouts exported; without
+        # them it exits 69 (EX_UNAVAILABLE) instead of starting the command.
+        from tfdist.cluster import pick_free_ports
+
+        ps_port, other_port, worker_port = pick_free_ports(3)
+        code = ("import os; print('RAN', os.environ['TFDIST_CONNECT_TIMEOUT'], "
+                "os.environ['TFDIST_INIT_TIMEOUT'])")
+        args = ["--job_name=worker", f"--worker_hosts=localhost:{worker_port}",
+                "--connect_timeout=2.5"]
+        with socket.create_server(("localhost", ps_port)):
+            ok = self._run(*args, f"--ps_hosts=localhost:{ps_port}", "--", sys.executable,
+                           "-c", code)
+        self.assertEqual(ok.returncode, 0, ok.stderr)
+        self.assertEqual(ok.stdout.split(), ["RAN", "2.5", "2.5"])
+        missing = self._run(*args, f"--ps_hosts=localhost:{other_port}", "--", sys.executable,
+                            "-c", code)
+        self.assertEqual(missing.returncode, 69, missing.stderr)
+        self.assertNotIn("RAN", missing.stdout)
+        self.assertIn(f"/job:ps/task:0 at localhost:{other_port} did not answer in 2.5 s",
+                      missing.stderr)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import tensorflow as tf
 
@@ -21,6 +22,7 @@ from tfdist.cluster import ClusterConfig
 from tfdist.cluster import pick_free_ports
 from tfdist.cluster import wait_for_tasks
 from tfdist.launch import LocalCluster
+from tfdist.launch.server import WorkersGone
 from tfdist.launch.server import ps_threads
 
 NUM_PS = 3  # each ps is a separate chance for the race
@@ -159,6 +161,87 @@ class PSThreadsTest(tf.test.TestCase):
             server.wait(10)
         self.assertEqual(done.returncode, 0, done.stderr[-3000:])
         self.assertIn(f"released {count} of {count}", done.stdout)
+
+
+class WorkersGoneTest(tf.test.TestCase):
+    """When a ps ends by itself (`--exit_after_workers_gone`), on a fake clock and network."""
+
+    WORKERS = {"/job:worker/task:0": "w0:1", "/job:worker/task:1": "w1:1"}
+
+    def _watch(self, listening, now, **kwargs):
+        return WorkersGone(self.WORKERS, grace=10, startup=100, interval=1,
+                           probe=lambda address: address in listening,
+                           clock=lambda: now[0], **kwargs)
+
+    def _at(self, watch, now, time):
+        now[0] = time
+        return watch.poll()
+
+    def test_exits_0_once_every_worker_came_and_went(self):
+        listening, now, logged = set(), [0.0], []
+        watch = self._watch(listening, now, log=logged.append)
+        listening |= {"w0:1", "w1:1"}
+        self.assertIsNone(self._at(watch, now, 5))
+        self.assertEqual(logged, ["every training task (2) has listened; the ps exits once "
+                                  "none has for 10 s"])
+        listening.clear()
+        self.assertIsNone(self._at(watch, now, 14.9))  # quiet for 9.9 s only
+        code, reason = self._at(watch, now, 15)
+        self.assertEqual(code, 0)
+        self.assertIn("every training task has come and gone (none listened for 10 s)", reason)
+
+    def test_a_restarted_worker_keeps_the_ps(self):
+        listening, now = {"w0:1", "w1:1"}, [0.0]
+        watch = self._watch(listening, now)
+        self.assertIsNone(self._at(watch, now, 1))
+        listening.discard("w1:1")  # worker 1's pod is retried: worker 0 still there
+        for t in range(2, 60):
+            self.assertIsNone(self._at(watch, now, t))
+        listening.clear()  # both gone, and worker 0 back within the grace period
+        self.assertIsNone(self._at(watch, now, 65))
+        listening.add("w0:1")
+        self.assertIsNone(self._at(watch, now, 68))
+        self.assertIsNone(self._at(watch, now, 77))
+
+    def test_a_worker_never_seen_is_waited_for_until_the_startup_allowance(self):
+        listening, now = {"w0:1"}, [0.0]
+        watch = self._watch(listening, now)
+        self.assertIsNone(self._at(watch, now, 1))
+        listening.clear()
+        self.assertIsNone(self._at(watch, now, 50))  # worker 1 may still pull its image
+        self.assertIsNone(self._at(watch, now, 109))
+        code, reason = self._at(watch, now, 110)
+        self.assertEqual(code, 0)
+        self.assertIn("1 of 2 training tasks came and went", reason)
+        self.assertIn("/job:worker/task:1 at w1:1 never listened within 110 s", reason)
+
+    def test_exits_1_when_no_worker_ever_listened(self):
+        listening, now = set(), [0.0]
+        watch = self._watch(listening, now)
+        self.assertIsNone(self._at(watch, now, 109))
+        code, reason = self._at(watch, now, 111)
+        self.assertEqual(code, 1)
+        self.assertIn("no training task listened within 111 s of the ps's start "
+                      "(/job:worker/task:0 at w0:1 (and 1 more))", reason)
+
+    def test_probes_go_out_together(self):
+        # 40 unreachable workers probed one after another at 0.5 s each would take 20 s.
+        def slow(address):
+            time.sleep(0.5)
+            return False
+
+        workers = {f"/job:worker/task:{i}": f"w{i}:1" for i in range(40)}
+        watch = WorkersGone(workers, grace=10, startup=100, probe=slow)
+        start = time.monotonic()
+        self.assertIsNone(watch.poll())
+        self.assertLess(time.monotonic() - start, 10)
+
+    def test_bad_arguments(self):
+        with self.assertRaisesRegex(ValueError, "`grace` must be a positive number of "
+                                                "seconds. Received: 0"):
+            WorkersGone(self.WORKERS, grace=0, startup=1)
+        with self.assertRaisesRegex(ValueError, "`addresses` must name at least one"):
+            WorkersGone({}, grace=1, startup=1)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Free ports and task readiness on a cluster's network."""
 
 import contextlib
+import math
+import os
 import random
 import socket
 import time
@@ -85,6 +87,32 @@ def is_listening(address, timeout=0.5):
 
 class TaskUnreachableError(RuntimeError):
     """A cluster task did not answer in time."""
+
+
+# Set by `tfdist-launch --connect_timeout` (600 s in Kubernetes pods) for the command it runs:
+# the defaults of the strategies' `connect_timeout` and `init_timeout`.
+CONNECT_TIMEOUT_ENV = "TFDIST_CONNECT_TIMEOUT"
+INIT_TIMEOUT_ENV = "TFDIST_INIT_TIMEOUT"
+
+
+def timeout_from_env(variable, default, environ=None):
+    """Seconds from environment variable `variable`, or `default` where it is unset or empty.
+
+    Raises:
+      ValueError: the variable holds something other than a positive number of seconds.
+    """
+    environ = os.environ if environ is None else environ
+    value = environ.get(variable, "").strip()
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"environment variable {variable} must be a positive number of "
+                         f"seconds, e.g. 600. Received: {value!r}")
+    return seconds
 
 
 def wait_for_tasks(tasks, timeout=30.0, poll_interval=0.1):

@@ -8,19 +8,29 @@ other processes of this machine outside the cluster cannot connect to their port
 Creating a network namespace needs CAP_SYS_ADMIN (root, or a user namespace where the system
 allows one). Where it is refused, `private_network()` warns loudly and the cluster runs on the
 machine's own network, as TensorFlow would.
+
+The namespace's only way out is `slirp4netns`, where it is installed
+(`PrivateNetwork.connect_outbound`): the user-mode NAT of rootless containers, a process that
+relays the namespace's outgoing connections through this machine's network stack and forwards
+nothing inbound. Scripts then download data and reach logging services, while the servers stay
+out of reach; no firewall rule or kernel setting of this machine changes. Without it the
+namespace has no route out at all.
 """
 
 import contextlib
 import ctypes
 import errno
 import fcntl
+import ipaddress
 import os
 import re
+import select
 import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import warnings
 
@@ -80,6 +90,7 @@ class PrivateNetwork:
             raise IsolationUnavailable(errno.ENOSYS, "network namespaces are Linux-only")
         self._libc = _libc()
         self.fd = None
+        self._outbound = None  # (the slirp4netns process, the write end of its exit pipe)
         result = {}
         # Namespaces belong to threads: build this one on a thread of its own, so that the
         # calling thread never leaves the machine's network.
@@ -147,10 +158,98 @@ class PrivateNetwork:
                                                     f"{rate} ({' '.join(command[1:])}: "
                                                     f"{done.stderr.strip()})")
 
+    def connect_outbound(self, timeout=10.0):
+        """Gives the namespace outbound connections through `slirp4netns`, where installed.
+
+        slirp4netns attaches a tap device to the namespace (address 10.0.2.100, default route
+        via 10.0.2.2) and relays what leaves through it as connections of its own process on
+        this machine's network. It publishes no port, so nothing outside can connect in, and
+        it is started with `--disable-host-loopback`: the cluster does not reach services
+        that listen on this machine's loopback only. It exits when its exit pipe closes: at
+        `close()`, or when this process dies however it dies.
+
+        Returns:
+          None once the namespace has its way out, else why it has none (a sentence).
+        """
+        slirp = shutil.which("slirp4netns")
+        if slirp is None:
+            return "slirp4netns, which would give it a way out, is not installed"
+        if self._outbound is not None:
+            return None
+        ready_read, ready_write = os.pipe()
+        exit_read, exit_write = os.pipe()
+        log = tempfile.TemporaryFile()
+        command = [slirp, "--configure", "--mtu=65520", "--disable-host-loopback",
+                   f"--ready-fd={ready_write}", f"--exit-fd={exit_read}", "--netns-type=path",
+                   f"/proc/{os.getpid()}/fd/{self.fd}", "tap0"]
+        try:
+            process = subprocess.Popen(command, pass_fds=(ready_write, exit_read),
+                                       stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                       start_new_session=True)
+        except OSError as e:
+            for fd in (ready_read, exit_write):
+                os.close(fd)
+            log.close()
+            return f"slirp4netns did not start ({e})"
+        finally:
+            os.close(ready_write)
+            os.close(exit_read)
+        try:
+            ready = select.select([ready_read], [], [], timeout)[0]
+            ready = bool(ready) and os.read(ready_read, 1) == b"1"
+        finally:
+            os.close(ready_read)
+        if not ready:
+            os.close(exit_write)
+            process.kill()
+            process.wait()
+            log.seek(0)
+            said = log.read().decode(errors="replace").strip().splitlines()
+            log.close()
+            return (f"slirp4netns did not set it up within {timeout:g} s"
+                    + (f" ({said[-1]})" if said else ""))
+        log.close()
+        self._outbound = (process, exit_write)
+        return None
+
+    @property
+    def has_outbound(self):
+        """True while `connect_outbound` gives the namespace its way out."""
+        return self._outbound is not None
+
     def close(self):
+        if self._outbound is not None:
+            process, exit_write = self._outbound
+            self._outbound = None
+            os.close(exit_write)  # slirp4netns exits when its exit pipe closes
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def loopback_resolvers(path="/etc/resolv.conf"):
+    """The name servers of `path` that listen on this machine's loopback (127.0.0.53 of
+    systemd-resolved...): out of reach from a private network, whose loopback is its own."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == "nameserver":
+            try:
+                if ipaddress.ip_address(parts[1].split("%")[0]).is_loopback:
+                    found.append(parts[1])
+            except ValueError:
+                pass
+    return found
 
 
 def private_network(required=False):

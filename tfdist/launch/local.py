@@ -8,12 +8,15 @@ print(result.returncode, result.failed_task)
 
 Every task is its own process group started with its own TF_CONFIG on free localhost ports,
 inside a private network namespace where the system allows one (`tfdist.launch.isolation`):
-nothing outside the cluster can reach its servers.
-Output lines are prefixed with the task (`[worker:1] ...`). The cluster is torn down on the
+nothing outside the cluster can reach its servers, and the tasks reach out (downloads, logging
+services) through slirp4netns where it is installed.
+Output lines are prefixed with the task (`[worker:1] ...`); the latest `max_lines` of them are
+kept in `lines` (a long run's output does not pile up in memory). The cluster is torn down on the
 first failing task (after `grace_period`), on `timeout`, on Ctrl-C, and on leaving the `with`
 block: no process or open port outlives it.
 """
 
+import collections
 import contextlib
 import ctypes
 import dataclasses
@@ -24,7 +27,6 @@ import sys
 import threading
 import time
 from typing import Dict
-from typing import List
 from typing import Optional
 
 from tfdist.cluster import ClusterConfig
@@ -32,6 +34,7 @@ from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import pick_free_ports
 from tfdist.cluster import wait_for_tasks
 from tfdist.launch.isolation import IsolationUnavailable
+from tfdist.launch.isolation import loopback_resolvers
 from tfdist.launch.isolation import parse_bandwidth
 from tfdist.launch.isolation import private_network
 
@@ -80,25 +83,20 @@ def _die_with(parent):
 
 
 class _Task:
-    """One child process and the thread that prefixes its output."""
+    """One child process and the thread that hands its output lines to `record`."""
 
-    def __init__(self, name, argv, env, output, lines, lock, cwd, preexec_fn=None):
+    def __init__(self, name, argv, env, record, cwd, preexec_fn=None):
         self.name = name
         self.process = subprocess.Popen(
             argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec_fn)
         self._reader = threading.Thread(
-            target=self._pump, args=(output, lines, lock), daemon=True, name=f"pump-{name}")
+            target=self._pump, args=(record,), daemon=True, name=f"pump-{name}")
         self._reader.start()
 
-    def _pump(self, output, lines, lock):
+    def _pump(self, record):
         for raw in iter(self.process.stdout.readline, b""):
-            line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            with lock:
-                lines.append((self.name, line))
-                if output is not None:
-                    output.write(f"[{self.name}] {line}\n")
-                    output.flush()
+            record(self.name, raw.decode("utf-8", errors="replace").rstrip("\n"))
         self.process.stdout.close()
 
     def signal(self, sig):
@@ -130,8 +128,10 @@ class LocalCluster:
       timeout: seconds the whole run may take, or None.
       grace_period: seconds the other tasks get to finish on their own after one fails.
       env: extra environment variables for every task.
-      output: where prefixed output lines go (`sys.stdout` by default, None for nowhere);
-        every line is also kept in `lines` as `(task, text)`.
+      output: where prefixed output lines go (`sys.stdout` by default, None for nowhere).
+      max_lines: how many of the latest output lines `lines` keeps, as `(task, text)`; older
+        ones are dropped (counted in `dropped_lines`), so that memory stays bounded however
+        long and chatty the run.
       host: the host name written into TF_CONFIG.
       ps_threads: inter-op threads of each ps server.
       ps_imports: modules each ps task imports before it serves (custom optimizers,
@@ -149,18 +149,24 @@ class LocalCluster:
         one machine. Every task's traffic crosses that one link: the tasks share its rate.
         Needs the private network (and `tc`): refused with `isolate_network=False`, an error
         where the system refuses.
+      outbound_network: "auto" (default) gives the private network outbound connections
+        through slirp4netns where it is installed (nothing can connect in); False keeps it
+        sealed: the tasks reach each other and nothing else.
     """
 
     def __init__(self, command, num_ps=1, num_workers=1, timeout=None, grace_period=3.0,
                  env=None, output=sys.stdout, host="localhost", ps_threads=None,
                  startup_timeout=30.0, cwd=None, stop_on_failure=True,
-                 isolate_network="auto", ps_imports=(), bandwidth=None):
+                 isolate_network="auto", ps_imports=(), bandwidth=None, max_lines=10000,
+                 outbound_network="auto"):
         if not command or isinstance(command, str):
             raise ValueError(f"`command` must be a non-empty argv list. Received: {command!r}")
         if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
             raise ValueError(f"`num_ps` must be an integer >= 0. Received: {num_ps!r}")
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"`num_workers` must be an integer >= 1. Received: {num_workers!r}")
+        if isinstance(max_lines, bool) or not isinstance(max_lines, int) or max_lines < 1:
+            raise ValueError(f"`max_lines` must be an integer >= 1. Received: {max_lines!r}")
         if timeout is not None and timeout <= 0:
             raise ValueError(f"`timeout` must be a positive number of seconds or None. "
                              f"Received: {timeout!r}")
@@ -184,6 +190,10 @@ class LocalCluster:
             raise ValueError(f"`isolate_network` must be 'auto', True or False. Received: "
                              f"{isolate_network!r}")
         self.isolate_network = isolate_network
+        if outbound_network not in ("auto", False):
+            raise ValueError(f"`outbound_network` must be 'auto' or False. Received: "
+                             f"{outbound_network!r}")
+        self.outbound_network = outbound_network
         if bandwidth is not None:
             parse_bandwidth(bandwidth)
             if isolate_network is False:
@@ -196,7 +206,8 @@ class LocalCluster:
         self.config = ClusterConfig.from_hosts(
             ps_hosts=[f"{host}:{p}" for p in ports[:num_ps]],
             worker_hosts=[f"{host}:{p}" for p in ports[num_ps:]])
-        self.lines: List[tuple] = []
+        self._lines = collections.deque(maxlen=max_lines)
+        self._recorded = 0
         self._lock = threading.Lock()
         self._tasks: Dict[str, _Task] = {}
         self._start_time = None
@@ -222,8 +233,7 @@ class LocalCluster:
             if network is not None:
                 network.enter_in_child()
 
-        self._tasks[name] = _Task(name, argv, env, self.output, self.lines, self._lock, self.cwd,
-                                  preexec)
+        self._tasks[name] = _Task(name, argv, env, self._record, self.cwd, preexec)
 
     def start(self):
         """Starts the ps tasks, waits until they listen, then starts the workers."""
@@ -242,11 +252,7 @@ class LocalCluster:
                 if self.bandwidth is not None:
                     self.network.limit_bandwidth(self.bandwidth)
                 if self.network is not None:
-                    self._announce(
-                        "the tasks run in a private network with only a loopback: they reach "
-                        "each other, and nothing else (no downloads, no logging services); "
-                        "--noisolate_network / isolate_network=False gives them this "
-                        "machine's network")
+                    self._announce(self._connect_outbound())
             for i in range(self.config.num_ps):
                 argv = [sys.executable, "-m", "tfdist.launch", "--job_name=ps",
                         f"--task_index={i}", "--ps_hosts=" + ",".join(self.config.cluster["ps"])]
@@ -261,6 +267,22 @@ class LocalCluster:
         except BaseException:
             self.stop()
             raise
+
+    def _connect_outbound(self):
+        """Gives the private network its way out where it can; says what the tasks reach."""
+        why_not = ("--nooutbound_network / outbound_network=False keeps it sealed"
+                   if self.outbound_network is False else self.network.connect_outbound())
+        if why_not is None:
+            resolvers = loopback_resolvers()
+            return ("the tasks run in a private network: they reach each other, and the "
+                    "outside through slirp4netns (outgoing connections only; nothing can "
+                    "connect in, and this machine's loopback services are out of reach"
+                    + (f", its name server {resolvers[0]} too: host names do not resolve "
+                       "there" if resolvers else "") + ")")
+        return ("the tasks run in a private network with only a loopback: they reach each "
+                f"other, and nothing else (no downloads, no logging services: {why_not}); "
+                "--noisolate_network / isolate_network=False gives them this machine's "
+                "network")
 
     def _wait_for_ps(self):
         addresses = {f"/job:ps/task:{i}": a for i, a in enumerate(self.config.cluster["ps"])}
@@ -280,6 +302,26 @@ class LocalCluster:
             except TaskUnreachableError:
                 if time.monotonic() > deadline:
                     raise
+
+    @property
+    def lines(self):
+        """The latest output lines, `(task, text)`, oldest first: a list of its own."""
+        with self._lock:
+            return list(self._lines)
+
+    @property
+    def dropped_lines(self):
+        """How many output lines were dropped from `lines` to keep it within `max_lines`."""
+        with self._lock:
+            return self._recorded - len(self._lines)
+
+    def _record(self, task, line):
+        with self._lock:
+            self._lines.append((task, line))
+            self._recorded += 1
+            if self.output is not None:
+                self.output.write(f"[{task}] {line}\n")
+                self.output.flush()
 
     @property
     def task_names(self):
@@ -362,11 +404,7 @@ class LocalCluster:
             time.sleep(0.05)
 
     def _announce(self, message):
-        with self._lock:
-            self.lines.append(("tfdist-launch", message))
-            if self.output is not None:
-                self.output.write(f"[tfdist-launch] {message}\n")
-                self.output.flush()
+        self._record("tfdist-launch", message)
 
     def stop(self, kill_after=5.0):
         """Stops every task that still runs: SIGTERM, then SIGKILL after `kill_after` s."""

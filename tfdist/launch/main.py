@@ -6,8 +6,10 @@ Classic form, one task per command (as in TF1's examples):
     tfdist-launch --job_name=worker --task_index=1 --ps_hosts=... --worker_hosts=... \
         -- python train.py
 
-A ps task serves until SIGTERM / SIGINT and exits 0; a worker (or chief) task sets TF_CONFIG
-and runs the command given after `--`.
+A ps task serves until SIGTERM / SIGINT and exits 0 (or, with --exit_after_workers_gone,
+once its workers have come and gone); a worker (or chief) task sets TF_CONFIG and runs the
+command given after `--` (with --connect_timeout, once its ps tasks answer: exit code 69 if
+they never do).
 
 Inside a Kubernetes pod of the manifests below (TF_CONFIG from the pod's index), or with
 TF_CONFIG already set (e.g. by Kubeflow's operator):
@@ -26,6 +28,7 @@ Local form, a whole cluster in one command:
         -- python examples/train_digits.py
 """
 
+import logging
 import os
 import signal
 import sys
@@ -53,8 +56,11 @@ flags.DEFINE_multi_string(
     "(`@keras.saving.register_keras_serializable()`). The optimizer's own module is "
     "imported without it.")
 flags.DEFINE_bool("local", False, "Start a whole cluster on this machine.")
-flags.DEFINE_integer("num_ps", 1, "With --local: number of ps tasks.", lower_bound=0)
-flags.DEFINE_integer("num_workers", 2, "With --local: number of worker tasks.", lower_bound=1)
+flags.DEFINE_integer("num_ps", 1, "With --local, --kubernetes or --kubernetes_manifest: "
+                     "number of ps tasks (0 for an all-reduce or decentralised job).",
+                     lower_bound=0)
+flags.DEFINE_integer("num_workers", 2, "With --local, --kubernetes or --kubernetes_manifest: "
+                     "number of worker tasks.", lower_bound=1)
 flags.DEFINE_float("timeout", None, "With --local: seconds the whole run may take.")
 flags.DEFINE_bool("stop_on_failure", True,
                   "With --local: stop every task when one fails; --nostop_on_failure lets the "
@@ -63,6 +69,10 @@ flags.DEFINE_bool("isolate_network", True,
                   "With --local: run the tasks in a private network namespace, so that nothing "
                   "outside the cluster can reach its TensorFlow servers (a loud warning where "
                   "the system refuses one). --noisolate_network uses the machine's network.")
+flags.DEFINE_bool("outbound_network", True,
+                  "With --local: let the tasks in the private network open connections out "
+                  "(downloads, logging services) through slirp4netns where it is installed; "
+                  "nothing can connect in. --nooutbound_network keeps the network sealed.")
 flags.DEFINE_string("bandwidth", None,
                     "With --local: limit the cluster's private network to this rate (e.g. "
                     "100mbit, 1gbit; tc's units), shared by all its tasks, so that "
@@ -75,26 +85,88 @@ flags.DEFINE_bool("from_tf_config", False,
                   "Take the cluster and this task from TF_CONFIG instead of the host flags.")
 flags.DEFINE_bool("kubernetes", False,
                   "Inside a pod of tfdist's plain manifests: derive TF_CONFIG from the pod's "
-                  "index, --name, --namespace, --port, --num_ps and --num_workers.")
+                  "index, --name, --namespace, --port, --num_ps and --num_workers; "
+                  "--connect_timeout defaults to 600 and --exit_after_workers_gone to 120.")
 flags.DEFINE_string("kubernetes_manifest", None,
                     "Write the Kubernetes manifests of this job to this file ('-': stdout) "
                     "and exit; uses --image, --k8s_kind, --name, --namespace, --port, "
-                    "--num_ps, --num_workers, --cpu, --memory and the command after `--`.")
+                    "--num_ps, --num_workers, --cpu, --memory, --ps_cpu, --ps_memory, "
+                    "--worker_retries, --max_failed_workers, --run_as_user, "
+                    "--connect_timeout, --exit_after_workers_gone and the command after "
+                    "`--`.")
 flags.DEFINE_string("image", None, "With --kubernetes_manifest: the container image.")
 flags.DEFINE_enum("k8s_kind", "plain", ["plain", "tfjob"],
-                  "With --kubernetes_manifest: StatefulSet + Indexed Job + Services (plain), "
-                  "or a Kubeflow TFJob.")
+                  "With --kubernetes_manifest: two Indexed Jobs (ps, workers) + headless "
+                  "Services (plain), or a Kubeflow TFJob.")
 flags.DEFINE_string("name", "tfdist", "Kubernetes job name (a DNS label).")
 flags.DEFINE_string("namespace", "default", "Kubernetes namespace.")
 flags.DEFINE_integer("port", 2222, "gRPC port of every task in Kubernetes.", lower_bound=1,
                      upper_bound=65535)
-flags.DEFINE_string("cpu", None, "Kubernetes CPU of each pod (requests = limits), e.g. 2.")
-flags.DEFINE_string("memory", None, "Kubernetes memory of each pod, e.g. 4Gi.")
+flags.DEFINE_string("cpu", None, "Kubernetes CPU of each worker pod (requests = limits), a "
+                    "quantity such as 500m, 2 or 1.5.")
+flags.DEFINE_string("memory", None, "Kubernetes memory of each worker pod, a quantity such as "
+                    "4Gi or 512Mi.")
+flags.DEFINE_string("ps_cpu", None, "Kubernetes CPU of each ps pod (default: --cpu).")
+flags.DEFINE_string("ps_memory", None, "Kubernetes memory of each ps pod (default: --memory).")
+flags.DEFINE_integer("worker_retries", 3,
+                     "With --kubernetes_manifest: times each worker is started again after it "
+                     "fails (a pod lost to a drained node or a preemption is replaced without "
+                     "counting).", lower_bound=0)
+flags.DEFINE_integer("max_failed_workers", None,
+                     "With --kubernetes_manifest (plain kind): the worker Job fails as a whole "
+                     "once more than this many workers have failed for good (default: the "
+                     "others go on).", lower_bound=0)
+flags.DEFINE_string("run_as_user", "1000",
+                    "With --kubernetes_manifest: the user id every container runs as (pods "
+                    "run as non-root), or 'image' for the image's own user, which must then "
+                    "be a numeric non-root user.")
+flags.DEFINE_float("connect_timeout", None,
+                   "Seconds a task waits for the others to start. A worker waits this long "
+                   "for its ps tasks before its command runs (exit code 69 if they never "
+                   "answer), and its command's strategies get it as their default "
+                   "connect_timeout and init_timeout (TFDIST_CONNECT_TIMEOUT, "
+                   "TFDIST_INIT_TIMEOUT); a ps with --exit_after_workers_gone gives its "
+                   "workers this long to appear. Default: 600 with --kubernetes and in "
+                   "manifests (image pulls), else unset (the strategies' 30 and 60 s).")
+flags.DEFINE_float("exit_after_workers_gone", None,
+                   "ps tasks: exit once every worker has listened and then none has for this "
+                   "many seconds, so that a Kubernetes job ends by itself. Default: 120 with "
+                   "--kubernetes and in manifests, else serve until SIGTERM.")
 
 
 @flags.validator("timeout", message="--timeout must be a positive number of seconds")
 def _check_timeout(value):
     return value is None or value > 0
+
+
+@flags.validator("connect_timeout",
+                 message="--connect_timeout must be a positive number of seconds")
+def _check_connect_timeout(value):
+    return value is None or 0 < value < float("inf")
+
+
+@flags.validator("exit_after_workers_gone",
+                 message="--exit_after_workers_gone must be a positive number of seconds")
+def _check_exit_after_workers_gone(value):
+    return value is None or 0 < value < float("inf")
+
+
+def _connect_timeout():
+    """--connect_timeout, or its Kubernetes default, or None."""
+    from tfdist.cluster.kubernetes import CONNECT_TIMEOUT
+
+    if FLAGS.connect_timeout is not None:
+        return FLAGS.connect_timeout
+    return CONNECT_TIMEOUT if FLAGS.kubernetes else None
+
+
+def _workers_gone_grace():
+    """--exit_after_workers_gone, or its Kubernetes default, or None."""
+    from tfdist.cluster.kubernetes import WORKERS_GONE_GRACE
+
+    if FLAGS.exit_after_workers_gone is not None:
+        return FLAGS.exit_after_workers_gone
+    return WORKERS_GONE_GRACE if FLAGS.kubernetes else None
 
 
 def _worker_command(argv):
@@ -153,7 +225,8 @@ def _run_local(command):
                                ps_threads=FLAGS.ps_threads,
                                stop_on_failure=FLAGS.stop_on_failure,
                                isolate_network="auto" if FLAGS.isolate_network else False,
-                               ps_imports=FLAGS.ps_import, bandwidth=FLAGS.bandwidth)
+                               ps_imports=FLAGS.ps_import, bandwidth=FLAGS.bandwidth,
+                               outbound_network="auto" if FLAGS.outbound_network else False)
     except ValueError as e:
         raise app.UsageError(str(e).replace("`bandwidth`", "--bandwidth").replace(
             "`isolate_network` 'auto' or True. Received: isolate_network=False",
@@ -186,7 +259,35 @@ def _run_local(command):
     return result.returncode
 
 
+# The manifests' arguments that are flags of another name, for the CLI's messages.
+_MANIFEST_FLAGS = {"kind": "k8s_kind", "command": "the command after `--`"}
+
+
+def _as_flags(message):
+    """A `manifests` error, in flag names: `cpu` -> --cpu."""
+    import re
+
+    def flag(match):
+        name = _MANIFEST_FLAGS.get(match.group(1), match.group(1))
+        return name if name.startswith("the ") else f"--{name}"
+
+    return re.sub(r"`([a-z_]+)`", flag, message)
+
+
+def _run_as_user():
+    value = FLAGS.run_as_user.strip()
+    if value == "image":
+        return None
+    if value.isascii() and value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise app.UsageError(f"--run_as_user must be a user id >= 1 (pods run as non-root), or "
+                         f"'image' for the image's own non-root user. Received: "
+                         f"{FLAGS.run_as_user!r}")
+
+
 def _write_manifests(command):
+    from tfdist.cluster.kubernetes import CONNECT_TIMEOUT
+    from tfdist.cluster.kubernetes import WORKERS_GONE_GRACE
     from tfdist.launch.kubernetes import manifests
     from tfdist.launch.kubernetes import to_yaml
 
@@ -197,13 +298,22 @@ def _write_manifests(command):
         raise app.UsageError("--kubernetes_manifest needs the worker command after `--`, "
                              "e.g. `-- python train.py`")
     try:
-        docs = manifests(FLAGS.name, FLAGS.image, command, num_ps=FLAGS.num_ps,
-                         num_workers=FLAGS.num_workers, namespace=FLAGS.namespace,
-                         port=FLAGS.port, kind=FLAGS.k8s_kind, cpu=FLAGS.cpu,
-                         memory=FLAGS.memory)
+        docs = manifests(
+            FLAGS.name, FLAGS.image, command, num_ps=FLAGS.num_ps,
+            num_workers=FLAGS.num_workers, namespace=FLAGS.namespace, port=FLAGS.port,
+            kind=FLAGS.k8s_kind, cpu=FLAGS.cpu, memory=FLAGS.memory, ps_cpu=FLAGS.ps_cpu,
+            ps_memory=FLAGS.ps_memory, connect_timeout=FLAGS.connect_timeout or CONNECT_TIMEOUT,
+            worker_retries=FLAGS.worker_retries, max_failed_workers=FLAGS.max_failed_workers,
+            exit_after_workers_gone=FLAGS.exit_after_workers_gone or WORKERS_GONE_GRACE,
+            run_as_user=_run_as_user())
     except ValueError as e:
-        raise app.UsageError(str(e)) from None
-    text = to_yaml(docs)
+        raise app.UsageError(_as_flags(str(e))) from None
+    text = to_yaml(docs, header=(
+        f"tfdist job {FLAGS.name!r}, written by tfdist-launch --kubernetes_manifest.\n"
+        "The tfdist.job-token label admits the job's own pods through its NetworkPolicy:\n"
+        "a speed-bump, not a secret (whoever can read this file or the pods can copy it).\n"
+        "It is drawn anew each time this file is written: delete a running job before\n"
+        "you apply a new file for it."))
     if FLAGS.kubernetes_manifest == "-":
         sys.stdout.write(text)
     else:
@@ -212,6 +322,75 @@ def _write_manifests(command):
         print(f"[tfdist-launch] wrote {len(docs)} manifests to {FLAGS.kubernetes_manifest}; "
               f"run: kubectl apply -f {FLAGS.kubernetes_manifest}", file=sys.stderr)
     return 0
+
+
+def _serve_ps(config, command):
+    if command:
+        raise app.UsageError(f"a ps task runs no command. Received: {' '.join(command)}")
+    from tfdist.launch.server import WorkersGone
+    from tfdist.launch.server import ps_threads
+    from tfdist.launch.server import serve
+
+    try:
+        threads = ps_threads(config, FLAGS.ps_threads)
+    except ValueError as e:
+        raise app.UsageError(str(e).replace("`threads`", "--ps_threads")) from None
+    workers_gone = None
+    grace = _workers_gone_grace()
+    if grace is not None:
+        addresses = {f"/job:{job}/task:{i}": config.address(job, i)
+                     for job, i in config.training_tasks}
+        if not addresses:
+            raise app.UsageError("--exit_after_workers_gone watches the workers' ports: give "
+                                 "--worker_hosts (or a TF_CONFIG that lists them)")
+        task = f"/job:ps/task:{config.task_index}"
+        workers_gone = WorkersGone(
+            addresses, grace=grace, startup=_connect_timeout() or 30.0,
+            log=lambda line: print(f"[tfdist-launch] {task}: {line}", file=sys.stderr,
+                                   flush=True))
+    _import_modules(FLAGS.ps_import)
+    code = serve(config, threads=threads, workers_gone=workers_gone)
+    # TensorFlow's native teardown (the gRPC server, the eager context) takes seconds - over
+    # 5 s on busy cores, where a launcher gives up and SIGKILLs the task. A ps has nothing
+    # to save: say what there is to say, and end the process now.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _run_task(config, command):
+    """Runs a worker's (chief's) command with TF_CONFIG set, once its ps tasks answer."""
+    from tfdist.cluster import TaskUnreachableError
+    from tfdist.cluster import wait_for_tasks
+    from tfdist.cluster.network import CONNECT_TIMEOUT_ENV
+    from tfdist.cluster.network import INIT_TIMEOUT_ENV
+    from tfdist.launch.kubernetes import PS_UNREACHABLE_EXIT_CODE
+    from tfdist.launch.local import TASK_ENVIRONMENT
+
+    if not command:
+        raise app.UsageError(f"a {config.task_type} task needs its command after `--`, e.g. "
+                             "`-- python train.py`")
+    env = dict(os.environ)
+    for key, value in TASK_ENVIRONMENT.items():
+        env.setdefault(key, value)
+    env["TF_CONFIG"] = config.to_json()
+    timeout = _connect_timeout()
+    if timeout is not None:
+        env[CONNECT_TIMEOUT_ENV] = env[INIT_TIMEOUT_ENV] = repr(timeout)
+        ps = {f"/job:ps/task:{i}": a for i, a in enumerate(config.cluster.get("ps", ()))}
+        try:
+            wait_for_tasks(ps, timeout=timeout)
+        except TaskUnreachableError as e:
+            # A distinct code, so that a Kubernetes Job can fail at once rather than retry a
+            # worker whose ps is gone for good.
+            print(f"[tfdist-launch] the ps tasks are not there: {e} (--connect_timeout); "
+                  f"exit code {PS_UNREACHABLE_EXIT_CODE}", file=sys.stderr)
+            return PS_UNREACHABLE_EXIT_CODE
+    try:
+        os.execvpe(command[0], command, env)
+    except OSError as e:
+        raise app.UsageError(f"cannot run {command[0]!r}: {e.strerror}") from None
 
 
 def main(argv):
@@ -231,30 +410,8 @@ def main(argv):
                              "or --local to start a whole cluster on this machine")
     config = _config_from_flags()
     if config.task_type == "ps":
-        if command:
-            raise app.UsageError(f"a ps task runs no command. Received: {' '.join(command)}")
-        from tfdist.launch.server import ps_threads
-        from tfdist.launch.server import serve
-
-        try:
-            threads = ps_threads(config, FLAGS.ps_threads)
-        except ValueError as e:
-            raise app.UsageError(str(e).replace("`threads`", "--ps_threads")) from None
-        _import_modules(FLAGS.ps_import)
-        return serve(config, threads=threads)
-    if not command:
-        raise app.UsageError(f"a {config.task_type} task needs its command after `--`, e.g. "
-                             "`-- python train.py`")
-    from tfdist.launch.local import TASK_ENVIRONMENT
-
-    env = dict(os.environ)
-    for key, value in TASK_ENVIRONMENT.items():
-        env.setdefault(key, value)
-    env["TF_CONFIG"] = config.to_json()
-    try:
-        os.execvpe(command[0], command, env)
-    except OSError as e:
-        raise app.UsageError(f"cannot run {command[0]!r}: {e.strerror}") from None
+        return _serve_ps(config, command)
+    return _run_task(config, command)
 
 
 def run():

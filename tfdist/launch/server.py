@@ -11,8 +11,13 @@ own (master) context before it serves anyone, no client context ever replaces th
 workers may connect in any order (tests/launch/server_test.py).
 """
 
+import concurrent.futures
 import signal
+import sys
 import threading
+import time
+
+from tfdist.cluster import is_listening
 
 # Every blocking op (a worker waiting for its reply, the updater waiting for pushes, the
 # control loop) holds one ps thread until it returns; with the default pool (the core count)
@@ -71,15 +76,107 @@ def start_server(config, threads=None):
     return f"{protocol}://{config.task_address}"
 
 
-def serve(config, threads=None, ready_callback=None):
+class WorkersGone:
+    """Tells a ps task when the workers of its job are gone for good.
+
+    A Kubernetes job ends when its workers' Job completes, but nothing stops a ps pod: its
+    server would serve (and hold its node) until someone deletes it. With a `WorkersGone`,
+    `serve` ends the ps by itself: it probes the training tasks' ports (as the ps's liveness
+    watcher does), and once none has listened for `grace` seconds, the job is over:
+
+    * every worker was seen listening, then none for `grace` s: exit code 0;
+    * some were never seen: the ps waits until `startup + grace` s after its start for them
+      (pods pulling images, pending for room), then exits 0 if any worker came and went;
+    * no worker ever listened by then: exit code 1 (nothing was trained).
+
+    While one worker is away (its pod retried or moved off a drained node) the others keep
+    the ps up; only when every worker is away at once does `grace` (2 minutes in the
+    manifests) decide, so it must cover a pod's restart: the Job waits 10 s, 20 s, 40 s...
+    before each retry of an index, then the pod starts TensorFlow. `grace` is also how long
+    a ps outlives the last worker.
+
+    Args:
+      addresses: `{task name: "host:port"}` of the training tasks (chief and workers).
+      grace: seconds without any listening worker that end the job.
+      startup: seconds the tasks get to appear at all (image pulls, scheduling).
+      interval: seconds between probes (None: half of `grace`, at most 2).
+      log: called with a line when every task has been seen (None: nowhere).
+      probe, clock: for tests (`is_listening`, `time.monotonic`).
+    """
+
+    def __init__(self, addresses, grace, startup, interval=None, log=None, probe=None,
+                 clock=None):
+        if interval is None and isinstance(grace, (int, float)):
+            interval = min(2.0, grace / 2)
+        for arg, value in (("grace", grace), ("startup", startup), ("interval", interval)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"`{arg}` must be a positive number of seconds. "
+                                 f"Received: {value!r}")
+        if not addresses:
+            raise ValueError("`addresses` must name at least one training task to watch")
+        self.addresses = dict(addresses)
+        self.grace, self.startup, self.interval = grace, startup, interval
+        self._probe = probe or (lambda address: is_listening(address, timeout=0.5))
+        self._clock = clock or time.monotonic
+        self._log = log or (lambda line: None)
+        self.started = self._last_heard = self._clock()
+        self.seen = set()
+
+    def _listening(self):
+        names = list(self.addresses)
+        # Probed together: one unreachable address must not hold up the others.
+        with concurrent.futures.ThreadPoolExecutor(min(32, len(names))) as pool:
+            answers = list(pool.map(lambda n: self._probe(self.addresses[n]), names))
+        return {name for name, answer in zip(names, answers) if answer}
+
+    def poll(self):
+        """Probes once. Returns None (serve on), or `(exit_code, reason)`."""
+        now = self._clock()
+        listening = self._listening()
+        if listening:
+            self._last_heard = now
+            everyone_before = len(self.seen) == len(self.addresses)
+            self.seen |= listening
+            if not everyone_before and len(self.seen) == len(self.addresses):
+                self._log(f"every training task ({len(self.addresses)}) has listened; the ps "
+                          f"exits once none has for {self.grace:g} s")
+        quiet = now - self._last_heard
+        if quiet < self.grace:
+            return None
+        if len(self.seen) == len(self.addresses):
+            return 0, (f"every training task has come and gone (none listened for "
+                       f"{quiet:.0f} s): the job is over")
+        if now - self.started < self.startup + self.grace:
+            return None  # some may still be pulling their image, or waiting for a node
+        missing = [f"{name} at {self.addresses[name]}" for name in self.addresses
+                   if name not in self.seen]
+        never = (f"{missing[0]}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1
+                                    else ""))
+        if self.seen:
+            return 0, (f"{len(self.seen)} of {len(self.addresses)} training tasks came and "
+                       f"went (none listened for {quiet:.0f} s); {never} never listened "
+                       f"within {self.startup + self.grace:g} s: the job is over")
+        return 1, (f"no training task listened within {now - self.started:.0f} s of the ps's "
+                   f"start ({never}): giving up")
+
+
+def serve(config, threads=None, ready_callback=None, workers_gone=None):
     """Runs the ps task of `config` until SIGTERM or SIGINT, then returns 0.
 
     Beside the gRPC server runs the task's `PSService`, which updates its shard of every
     run the workers start (`tfdist.ps.service`).
+
+    Args:
+      config: the ps task's `ClusterConfig`.
+      threads: inter-op threads (see `ps_threads`).
+      ready_callback: called with the server's target once it serves.
+      workers_gone: None, or a `WorkersGone` whose verdict also ends the task (with its exit
+        code, and a line on stderr that says why).
     """
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
+    task = f"/job:ps/task:{config.task_index}"
     try:
         target = start_server(config, threads)
         from tfdist.ps.service import PSService
@@ -87,8 +184,16 @@ def serve(config, threads=None, ready_callback=None):
         PSService(config).start()
         if ready_callback:
             ready_callback(target)
+        next_probe = time.monotonic()
         while not stop.wait(0.5):
-            pass
+            if workers_gone is None or time.monotonic() < next_probe:
+                continue
+            verdict = workers_gone.poll()
+            next_probe = time.monotonic() + workers_gone.interval
+            if verdict is not None:
+                code, reason = verdict
+                print(f"[tfdist-launch] {task}: {reason}", file=sys.stderr, flush=True)
+                return code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -41,7 +41,7 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
     """
 
     def __init__(self, period=1, replicas_to_aggregate=None, optimizer_state="local",
-                 cluster=None, init_timeout=60.0, connect_timeout=30.0, inter_op_threads=1,
+                 cluster=None, init_timeout=None, connect_timeout=None, inter_op_threads=1,
                  compression=None, variable_partitioner="auto"):
         if isinstance(period, bool) or not isinstance(period, int) or period < 1:
             raise ValueError(f"`period` must be an integer >= 1 (local steps between averaging "

@@ -24,6 +24,9 @@ import tensorflow as tf
 
 from tfdist import _tf_compat
 from tfdist import compression as compression_lib
+from tfdist.cluster.network import CONNECT_TIMEOUT_ENV
+from tfdist.cluster.network import INIT_TIMEOUT_ENV
+from tfdist.cluster.network import timeout_from_env
 from tfdist.compression.base import sum_payload_bytes
 from tfdist.compression.exchange import compression_logs
 from tfdist.ps import placement
@@ -157,12 +160,17 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         variable_partitioner: as documented on `SoftSyncStrategy`.
     """
 
-    def __init__(self, container_strategy, make_policy, cluster=None, init_timeout=60.0,
-                 connect_timeout=30.0, inter_op_threads=1, compression=None,
+    def __init__(self, container_strategy, make_policy, cluster=None, init_timeout=None,
+                 connect_timeout=None, inter_op_threads=1, compression=None,
                  mode=GRADIENTS, period=1, average_optimizer_state=False,
                  variable_partitioner=placement.AUTO):
         compressor = push_compressor(compression)
         partitioner = placement.check_partitioner(variable_partitioner)
+        # None: what the launcher exported (600 s in Kubernetes pods), else 60 / 30 s.
+        if init_timeout is None:
+            init_timeout = timeout_from_env(INIT_TIMEOUT_ENV, 60.0)
+        if connect_timeout is None:
+            connect_timeout = timeout_from_env(CONNECT_TIMEOUT_ENV, 30.0)
         for name, value in (("init_timeout", init_timeout),
                             ("connect_timeout", connect_timeout)):
             _check_positive(name, value)
@@ -882,8 +890,12 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
       cluster: a `tfdist.cluster.ClusterConfig`, TF_CONFIG dict / JSON, a cluster resolver,
         or None to read TF_CONFIG. It needs at least one ps task, served by
         `tfdist-launch --job_name=ps`.
-      init_timeout: seconds the ps tasks wait for the chief to initialise a new run.
-      connect_timeout: seconds the ps tasks get to start listening.
+      init_timeout: seconds the ps tasks wait for the chief to initialise a new run (and for
+        every worker's server to answer once). None: the environment's
+        `TFDIST_INIT_TIMEOUT` (set by `tfdist-launch --connect_timeout`; 600 s in the pods
+        of its Kubernetes manifests), else 60.
+      connect_timeout: seconds the ps tasks get to start listening. None: the environment's
+        `TFDIST_CONNECT_TIMEOUT` (set the same way), else 30.
       inter_op_threads: inter-op threads of this worker's TF executor (None: TF's default).
         One is fastest when per-step latency dominates (small models, shared cores).
       compression: a `tfdist.compression` compressor (or its name / config) for the push:
@@ -910,8 +922,8 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
       TaskUnreachableError: a ps task did not answer within `connect_timeout`.
     """
 
-    def __init__(self, replicas_to_aggregate=None, cluster=None, init_timeout=60.0,
-                 connect_timeout=30.0, inter_op_threads=1, compression=None,
+    def __init__(self, replicas_to_aggregate=None, cluster=None, init_timeout=None,
+                 connect_timeout=None, inter_op_threads=1, compression=None,
                  variable_partitioner="auto"):
         super().__init__(ParameterServerExtended(
             self, n_of_m_policy(SoftSyncPolicy, replicas_to_aggregate), cluster=cluster,
@@ -959,7 +971,7 @@ class AsyncStrategy(ParameterServerStrategyBase):
     """
 
     def __init__(self, staleness="none", max_staleness=None, delay_compensation=None,
-                 on_stale="drop", cluster=None, init_timeout=60.0, connect_timeout=30.0,
+                 on_stale="drop", cluster=None, init_timeout=None, connect_timeout=None,
                  inter_op_threads=1, compression=None, variable_partitioner="auto"):
         policy = AsyncPolicy(staleness, max_staleness, delay_compensation, on_stale)
         super().__init__(ParameterServerExtended(
