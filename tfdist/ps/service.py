@@ -6,9 +6,11 @@ policy, compression); the first hello of a job starts a run, whose `ShardUpdater
 
 1. waits until the chief has initialised the run's master variables,
 2. rebuilds the user's Keras optimizer from its config on the masters of this shard (its
-   slots are masters too, so the chief's checkpoints hold them),
+   slots are masters too, so the chief's checkpoints hold them); model averaging's outer
+   optimizer likewise,
 3. serves updates in-graph: one `tf.function` call takes pushes, applies the optimizer (or
-   the average), and replies to the workers, update after update, and returns to Python
+   the average, or the outer optimizer to the average's change), and replies to the
+   workers, update after update, and returns to Python
    only when a worker joins, leaves or dies,
 4. when every worker has left or died, destroys the run's resources.
 
@@ -232,16 +234,24 @@ class ShardUpdater:
                         keras.constraints.get, e["constraint"], f"the constraint of {e['path']}")
             self.main_variables = self.variables[:len(self.layout.main)]
             self.value_variables = self.variables[len(self.layout.main):]
-            self.optimizer = None
-            if self.spec["optimizer"] is not None and self.main_variables:
+            self.optimizer = self.outer_optimizer = None
+            outer = [v for v, e in zip(self.main_variables, self.layout.main) if e.get("outer")]
+            if (self.spec["optimizer"] is not None and self.main_variables) or outer:
                 for module in self.spec.get("imports", []):
                     self._import(module)
+            if self.spec["optimizer"] is not None and self.main_variables:
                 self.optimizer = self._rebuild_optimizer()
                 excluded = [v for v, e in zip(self.main_variables, self.layout.main)
                             if e.get("weight_decay") is False]
                 if excluded:
                     self.optimizer.exclude_from_weight_decay(var_list=excluded)
                 self.optimizer.build(self.main_variables)
+            if outer:
+                self.outer_optimizer = self._deserialize(
+                    keras.optimizers.deserialize, self.spec["outer_optimizer"],
+                    f"the outer optimizer {self.spec['outer_optimizer'].get('class_name')!r}")
+                self.outer_optimizer.build(outer)
+                self._check_masters(self.outer_optimizer)
         with tf.device(self.device):
             self.clocks = tf.Variable(tf.zeros([self.num_workers], tf.int64))
             self.waiting = tf.Variable(tf.zeros([self.num_workers], tf.bool))
@@ -257,6 +267,16 @@ class ShardUpdater:
         self._forget = tf.function(self._forget_fn)
         self._release_caught_up = tf.function(self._release_caught_up_fn)
         self._record = tf.function(self._record_fn)
+
+    def _check_masters(self, optimizer):
+        """Every variable of an optimizer rebuilt here must be a master (its state on the ps,
+        in the chief's checkpoints), found by the Keras path every worker gave it."""
+        masters = {id(m) for m in self.masters.values()}
+        local = [v.path for v in optimizer.variables if id(v.value) not in masters]
+        if local:
+            raise RunFailed(f"{self.service.task} found no master variable of {local} in "
+                            f"the run's spec (the workers name the variables of "
+                            f"{optimizer.name!r} otherwise)")
 
     def _rebuild_optimizer(self):
         config = ps_optimizer_config(self.spec["optimizer"])
@@ -394,9 +414,20 @@ class ShardUpdater:
             updates += [v.assign(x) for v, x in zip(self.value_variables, values)]
         parts = self.layout.unflatten(mean, self.layout.main, self.layout.main_sizes)
         if self.policy.averages_weights:
-            for variable, part in zip(self.main_variables, parts):
-                updates.append(variable.assign_add(part) if self.delta
-                               else variable.assign(part))
+            outer_gradients, outer_variables = [], []
+            for variable, part, entry in zip(self.main_variables, parts, self.layout.main):
+                if entry.get("outer"):
+                    # The round's outer gradient: master - mean(local), the mean change
+                    # negated (a compressed round's `part` is that mean change).
+                    outer_gradients.append(-part if self.delta else variable.value - part)
+                    outer_variables.append(variable)
+                else:
+                    updates.append(variable.assign_add(part) if self.delta
+                                   else variable.assign(part))
+            if outer_variables:
+                with tf.control_dependencies(updates):
+                    self.outer_optimizer.apply(outer_gradients, outer_variables)
+                updates.append(self.outer_optimizer.iterations.value)
             with tf.control_dependencies(updates):
                 return self._step() + 1
         if self.weights_read is not None:
