@@ -141,6 +141,9 @@ class ModelAveragingTest(tf.test.TestCase, parameterized.TestCase):
                            1e-3)
         for a, b in zip(chief["local_weights"], other["local_weights"]):
             self.assertAllEqual(a, b)
+        # The run ends when the workers have left; its updater records the end and stops.
+        self.assertNotIn("failed", "\n".join(line for task, line in cluster.lines
+                                              if task == "ps:0"))
 
     def test_compressed_rounds_send_model_changes(self):
         # Top-k changes with error feedback. (fp16 changes, on 2 ps tasks with a kernel split

@@ -266,7 +266,7 @@ class ShardUpdater:
         self._rejoin = tf.function(self._rejoin_fn)
         self._forget = tf.function(self._forget_fn)
         self._release_caught_up = tf.function(self._release_caught_up_fn)
-        self._record = tf.function(self._record_fn)
+        self._record_end = tf.function(self._record_end_fn)
 
     def _check_masters(self, optimizer):
         """Every variable of an optimizer rebuilt here must be a master (its state on the ps,
@@ -462,6 +462,11 @@ class ShardUpdater:
             old[protocol.STAT_HISTOGRAM:protocol.STAT_MEMBERS] + state["histogram"],
             old[protocol.STAT_MEMBERS:]], axis=0), read_value=False)
 
+    def _record_end_fn(self, step, state):
+        """The record of a run's end (pushes dropped since its last update); a `tf.function`
+        returns tensors, not the assign op `_record_fn` gives its in-graph callers."""
+        self._record_fn(step, state, updated=False)
+
     def _apply_and_release(self, state, live):
         """One update: apply, record, and reply to the workers whose pushes it used."""
         step = self._apply(state)
@@ -583,8 +588,7 @@ class ShardUpdater:
         while True:
             required = self.policy.required(len(self.live))
             if required == 0 and self._end_if_nobody_is_left():
-                self._record(self._step(), {**empty, "dropped": state["dropped"]},
-                             updated=False)
+                self._record_end(self._step(), {**empty, "dropped": state["dropped"]})
                 log.info("tfdist: %s: every worker left run %s", self.service.task, self.run)
                 return
             if required == 0:
