@@ -260,6 +260,25 @@ def rates_section(rates):
     return parts
 
 
+def outer_note(outer):
+    """What the "outer" rows of the accuracy table ran (model averaging's outer optimizer)."""
+    if outer is None:
+        return ""
+    config = outer["config"]
+    return (f" \"outer\" rows: each round's mean change is a gradient for {outer['class_name']}"
+            f" (learning rate {config['learning_rate']:g}, Nesterov momentum "
+            f"{config['momentum']:g}) on the ps, DiLoCo's outer step; k=16 exchanges a "
+            "model 16x less often than k=1, which exchanges every step as hard sync does.")
+
+
+def updated_note(modes):
+    """Which rows `quality.py --update` measured again, apart from the others."""
+    if not modes:
+        return ""
+    return (f" Measured again later (`quality.py --update`), apart from the other rows: "
+            f"{', '.join(modes)}; compare their training seconds with each other only.")
+
+
 def write_report(straggler, quality, scaling, capacity_result, compression, rates=None):
     parts = ["# tfdist benchmark report", "",
              f"Settings: {'full' if FLAGS.full else 'CI-sized (fast)'}; each section names the "
@@ -290,7 +309,9 @@ def write_report(straggler, quality, scaling, capacity_result, compression, rate
               "", "![straggler](straggler.png)", ""]
     parts += ["## Accuracy (digits) against single-process training", "",
               f"{quality['epochs']} epochs, seeds {quality['seeds']}; mean test accuracy, "
-              "difference to one process in points, mean training seconds.", ""]
+              "difference to one process in points, mean training seconds."
+              + outer_note(quality.get("outer_optimizer"))
+              + updated_note(quality.get("updated_modes")), ""]
     single = quality["single process"]
     rows = [["single process", "1", f"{single['test_accuracy_mean']:.4f}", "",
              f"{single['train_seconds_mean']:.1f}"]]

@@ -13,6 +13,12 @@ Two workers all-reducing top-k compressed gradients over TF collectives:
     tfdist-launch --local --num_ps=0 --num_workers=2 -- python examples/train_digits.py \
         --strategy=multi_worker_mirrored --compression=topk --compression_arg=ratio=0.05
 
+Model averaging every 16 steps with DiLoCo's outer step (Nesterov momentum) on the ps:
+
+    tfdist-launch --local --num_ps=1 --num_workers=4 -- python examples/train_digits.py \
+        --strategy=model_averaging --strategy_arg=period=16 --strategy_arg=outer_optimizer='{
+        "class_name": "SGD", "config": {"learning_rate": 0.7, "momentum": 0.9, "nesterov": true}}'
+
 The data ships with scikit-learn (no download). Every worker passes the whole training set to
 `fit`; tfdist's parameter-server strategies give each worker its own shard of the batches, and
 the all-reduce strategies split every global batch over the replicas (tf.data auto-sharding).

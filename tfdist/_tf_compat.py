@@ -154,6 +154,11 @@ def keras_name_scope_for_path(path):
     return keras.name_scope(last, override_parent=head or None)
 
 
+# Model averaging's outer optimizer keeps its state in the Keras checkpoints of the model (an
+# attribute of the model's optimizer, which Keras saving walks); only a `KerasSaveable` is
+# walked, and Keras exports no public name for it.
+from keras.src.saving.keras_saveable import KerasSaveable  # noqa: F401,E402
+
 # The all-reduce family extends TF's own Mirrored / CollectiveAllReduce engines: compression
 # hooks into their `_batch_reduce_to` (where Keras's gradient all-reduce lands on CPU), and a
 # payload crosses devices as a `PerReplica`, the only type their cross-device ops accept.
@@ -162,3 +167,4 @@ from tensorflow.python.distribute.distribute_utils import regroup  # noqa: F401,
 from tensorflow.python.distribute.mirrored_strategy import MirroredExtended  # noqa: F401,E402
 from tensorflow.python.distribute.values import Mirrored  # noqa: F401,E402
 from tensorflow.python.distribute.values import PerReplica  # noqa: F401,E402
+

@@ -57,6 +57,23 @@ class SparseRowsTest(tf.test.TestCase):
                                                                       "sparse": True}]}),
                          "variable 'e' has sparse True, in the run None")
 
+    def test_a_worker_with_another_outer_optimizer_is_refused(self):
+        # Model averaging: the outer optimizer, and the variables it updates, must agree; a
+        # learning rate a callback may set differs harmlessly, as for the optimizer.
+        entry = {"path": "k", "shape": [2], "dtype": "float32", "role": "average",
+                 "outer": True}
+        sgd = {"class_name": "SGD", "config": {"learning_rate": 0.7, "momentum": 0.9}}
+        spec = {"variables": [entry], "outer_optimizer": sgd}
+        self.assertIsNone(protocol.compare_specs(spec, {
+            "variables": [entry], "outer_optimizer": {**sgd, "config": {
+                "learning_rate": 0.1, "momentum": 0.9}}}))
+        self.assertRegex(protocol.compare_specs(spec, {"variables": [entry],
+                                                       "outer_optimizer": None}),
+                         r"^its outer optimizer is None, the run's is \{'class_name': 'SGD'")
+        self.assertEqual(protocol.compare_specs(spec, {
+            "variables": [{**entry, "outer": None}], "outer_optimizer": sgd}),
+            "variable 'k' has outer None, in the run True")
+
 
 class CompressedPushTest(tf.test.TestCase):
 

@@ -272,11 +272,12 @@ def _fixed(optimizer):
 
 def compare_specs(run_spec, spec):
     """None if a worker's shard spec fits the run's, else what differs (for its error)."""
-    keys = ("mode", "policy", "num_workers", "num_ps", "shard", "optimizer", "compression")
+    keys = ("mode", "policy", "num_workers", "num_ps", "shard", "optimizer", "outer_optimizer",
+            "compression")
     for key in keys:
-        if key == "optimizer":
+        if key in ("optimizer", "outer_optimizer"):
             if _fixed(run_spec.get(key)) != _fixed(spec.get(key)):
-                return (f"its optimizer is {spec.get(key)!r}, the run's is "
+                return (f"its {key.replace('_', ' ')} is {spec.get(key)!r}, the run's is "
                         f"{run_spec.get(key)!r}")
             continue
         if run_spec.get(key) != spec.get(key):
@@ -288,7 +289,7 @@ def compare_specs(run_spec, spec):
             return f"it has variable {path!r}, which the run does not"
         if path not in mine:
             return f"the run has variable {path!r}, which it does not"
-        for field in ("shape", "dtype", "role", "rows", "sparse"):
+        for field in ("shape", "dtype", "role", "rows", "sparse", "outer"):
             if mine[path].get(field) != theirs[path].get(field):
                 return (f"variable {path!r} has {field} {mine[path].get(field)!r}, in the run "
                         f"{theirs[path].get(field)!r} (the same `variable_partitioner` "

@@ -6,9 +6,11 @@ policy, compression); the first hello of a job starts a run, whose `ShardUpdater
 
 1. waits until the chief has initialised the run's master variables,
 2. rebuilds the user's Keras optimizer from its config on the masters of this shard (its
-   slots are masters too, so the chief's checkpoints hold them),
+   slots are masters too, so the chief's checkpoints hold them); model averaging's outer
+   optimizer likewise,
 3. serves updates in-graph: one `tf.function` call takes pushes, applies the optimizer (or
-   the average), and replies to the workers, update after update, and returns to Python
+   the average, or the outer optimizer to the average's change), and replies to the
+   workers, update after update, and returns to Python
    only when a worker joins, leaves or dies,
 4. when every worker has left or died, destroys the run's resources.
 
@@ -232,16 +234,24 @@ class ShardUpdater:
                         keras.constraints.get, e["constraint"], f"the constraint of {e['path']}")
             self.main_variables = self.variables[:len(self.layout.main)]
             self.value_variables = self.variables[len(self.layout.main):]
-            self.optimizer = None
-            if self.spec["optimizer"] is not None and self.main_variables:
+            self.optimizer = self.outer_optimizer = None
+            outer = [v for v, e in zip(self.main_variables, self.layout.main) if e.get("outer")]
+            if (self.spec["optimizer"] is not None and self.main_variables) or outer:
                 for module in self.spec.get("imports", []):
                     self._import(module)
+            if self.spec["optimizer"] is not None and self.main_variables:
                 self.optimizer = self._rebuild_optimizer()
                 excluded = [v for v, e in zip(self.main_variables, self.layout.main)
                             if e.get("weight_decay") is False]
                 if excluded:
                     self.optimizer.exclude_from_weight_decay(var_list=excluded)
                 self.optimizer.build(self.main_variables)
+            if outer:
+                self.outer_optimizer = self._deserialize(
+                    keras.optimizers.deserialize, self.spec["outer_optimizer"],
+                    f"the outer optimizer {self.spec['outer_optimizer'].get('class_name')!r}")
+                self.outer_optimizer.build(outer)
+                self._check_masters(self.outer_optimizer)
         with tf.device(self.device):
             self.clocks = tf.Variable(tf.zeros([self.num_workers], tf.int64))
             self.waiting = tf.Variable(tf.zeros([self.num_workers], tf.bool))
@@ -256,7 +266,17 @@ class ShardUpdater:
         self._rejoin = tf.function(self._rejoin_fn)
         self._forget = tf.function(self._forget_fn)
         self._release_caught_up = tf.function(self._release_caught_up_fn)
-        self._record = tf.function(self._record_fn)
+        self._record_end = tf.function(self._record_end_fn)
+
+    def _check_masters(self, optimizer):
+        """Every variable of an optimizer rebuilt here must be a master (its state on the ps,
+        in the chief's checkpoints), found by the Keras path every worker gave it."""
+        masters = {id(m) for m in self.masters.values()}
+        local = [v.path for v in optimizer.variables if id(v.value) not in masters]
+        if local:
+            raise RunFailed(f"{self.service.task} found no master variable of {local} in "
+                            f"the run's spec (the workers name the variables of "
+                            f"{optimizer.name!r} otherwise)")
 
     def _rebuild_optimizer(self):
         config = ps_optimizer_config(self.spec["optimizer"])
@@ -394,9 +414,20 @@ class ShardUpdater:
             updates += [v.assign(x) for v, x in zip(self.value_variables, values)]
         parts = self.layout.unflatten(mean, self.layout.main, self.layout.main_sizes)
         if self.policy.averages_weights:
-            for variable, part in zip(self.main_variables, parts):
-                updates.append(variable.assign_add(part) if self.delta
-                               else variable.assign(part))
+            outer_gradients, outer_variables = [], []
+            for variable, part, entry in zip(self.main_variables, parts, self.layout.main):
+                if entry.get("outer"):
+                    # The round's outer gradient: master - mean(local), the mean change
+                    # negated (a compressed round's `part` is that mean change).
+                    outer_gradients.append(-part if self.delta else variable.value - part)
+                    outer_variables.append(variable)
+                else:
+                    updates.append(variable.assign_add(part) if self.delta
+                                   else variable.assign(part))
+            if outer_variables:
+                with tf.control_dependencies(updates):
+                    self.outer_optimizer.apply(outer_gradients, outer_variables)
+                updates.append(self.outer_optimizer.iterations.value)
             with tf.control_dependencies(updates):
                 return self._step() + 1
         if self.weights_read is not None:
@@ -430,6 +461,11 @@ class ShardUpdater:
                       gap]),
             old[protocol.STAT_HISTOGRAM:protocol.STAT_MEMBERS] + state["histogram"],
             old[protocol.STAT_MEMBERS:]], axis=0), read_value=False)
+
+    def _record_end_fn(self, step, state):
+        """The record of a run's end (pushes dropped since its last update); a `tf.function`
+        returns tensors, not the assign op `_record_fn` gives its in-graph callers."""
+        self._record_fn(step, state, updated=False)
 
     def _apply_and_release(self, state, live):
         """One update: apply, record, and reply to the workers whose pushes it used."""
@@ -552,8 +588,7 @@ class ShardUpdater:
         while True:
             required = self.policy.required(len(self.live))
             if required == 0 and self._end_if_nobody_is_left():
-                self._record(self._step(), {**empty, "dropped": state["dropped"]},
-                             updated=False)
+                self._record_end(self._step(), {**empty, "dropped": state["dropped"]})
                 log.info("tfdist: %s: every worker left run %s", self.service.task, self.run)
                 return
             if required == 0:

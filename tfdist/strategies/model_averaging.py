@@ -1,6 +1,7 @@
 """Periodic parameter averaging (local SGD) on the parameter-server engine."""
 
 from tfdist.ps.policies import AveragingPolicy
+from tfdist.strategies.outer_optimizer import outer_optimizer_config
 from tfdist.strategies.parameter_server import AVERAGING
 from tfdist.strategies.parameter_server import ParameterServerExtended
 from tfdist.strategies.parameter_server import ParameterServerStrategyBase
@@ -26,6 +27,16 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
     strategy.join()                              # every local model takes the final average
     ```
 
+    With an outer optimizer (DiLoCo, Douillard et al. 2023), a round does not replace the
+    master copy by the mean: the round's change `master - mean(local models)` is an outer
+    gradient, which the outer optimizer applies to the master copy on the ps tasks. The
+    paper's setting, 500 local AdamW steps between rounds:
+
+    ```python
+    strategy = tfdist.strategies.ModelAveragingStrategy(
+        period=500, outer_optimizer=keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True))
+    ```
+
     Args:
       period: k, local steps between averaging rounds (at least 1).
       replicas_to_aggregate: models per round; None for every worker.
@@ -36,13 +47,24 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
         its own residual, and the ps adds the mean decoded change to the master copy.
         Logs gain `bytes_sent` (the last round's push), `bytes_dense` and
         `compression_ratio`. PowerSGD is refused (it needs all-reduce rounds).
+      outer_optimizer: None (the round's mean replaces the master copy), or a Keras
+        optimizer, its name or its config (a dict, or that dict as a JSON string, as a
+        `--strategy_arg` flag carries it), applied on the ps tasks to the round's outer
+        gradient `master - mean(local)` (with `compression`, the mean decoded change,
+        negated). Its config is what counts: every task builds its own copy. It updates the
+        variables the model's optimizer trains; the rest (BatchNorm statistics, and the
+        optimizer's slots under `optimizer_state="averaged"`) is averaged plainly. Its
+        state (momentum, step count) lives on the ps tasks, one slot per part of a split
+        variable, and the chief's Keras checkpoints (`ModelCheckpoint`,
+        `BackupAndRestore`, `save_weights`) hold and restore it with the model's
+        optimizer. `keras.optimizers.SGD(1.0)` gives plain averaging (up to rounding).
       cluster, init_timeout, connect_timeout, inter_op_threads, variable_partitioner: as for
         `SoftSyncStrategy` (averaging is elementwise: "auto" splits with any optimizer).
     """
 
     def __init__(self, period=1, replicas_to_aggregate=None, optimizer_state="local",
                  cluster=None, init_timeout=None, connect_timeout=None, inter_op_threads=1,
-                 compression=None, variable_partitioner="auto"):
+                 compression=None, variable_partitioner="auto", outer_optimizer=None):
         if isinstance(period, bool) or not isinstance(period, int) or period < 1:
             raise ValueError(f"`period` must be an integer >= 1 (local steps between averaging "
                              f"rounds). Received: {period!r}")
@@ -54,11 +76,18 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
             init_timeout=init_timeout, connect_timeout=connect_timeout,
             inter_op_threads=inter_op_threads, compression=compression, mode=AVERAGING,
             period=period, average_optimizer_state=optimizer_state == "averaged",
-            variable_partitioner=variable_partitioner))
+            variable_partitioner=variable_partitioner,
+            outer_optimizer=outer_optimizer_config(outer_optimizer)))
 
     @property
     def period(self):
         return self.extended._period
+
+    @property
+    def outer_optimizer(self):
+        """The Keras config of the outer optimizer (None: plain averaging)."""
+        outer = self.extended._outer
+        return None if outer is None else outer.config
 
     @property
     def replicas_to_aggregate(self):

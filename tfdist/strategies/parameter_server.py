@@ -39,6 +39,7 @@ from tfdist.ps.policies import SoftSyncPolicy
 from tfdist.ps.service import push_key
 from tfdist.ps.variables import MirrorVariable
 from tfdist.ps.variables import replica_step
+from tfdist.strategies.outer_optimizer import OuterOptimizer
 
 log = logging.getLogger("tfdist")
 
@@ -155,7 +156,8 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
       container_strategy: the public strategy.
       make_policy: `num_workers -> policy`.
       mode: `"gradients"` (a push per step) or `"averaging"` (the model every `period`).
-      period, average_optimizer_state: model averaging's settings.
+      period, average_optimizer_state, outer_optimizer: model averaging's settings
+        (`outer_optimizer`: the Keras config of `outer_optimizer_config`, or None).
       cluster, init_timeout, connect_timeout, inter_op_threads, compression,
         variable_partitioner: as documented on `SoftSyncStrategy`.
     """
@@ -163,7 +165,7 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
     def __init__(self, container_strategy, make_policy, cluster=None, init_timeout=None,
                  connect_timeout=None, inter_op_threads=1, compression=None,
                  mode=GRADIENTS, period=1, average_optimizer_state=False,
-                 variable_partitioner=placement.AUTO):
+                 variable_partitioner=placement.AUTO, outer_optimizer=None):
         compressor = push_compressor(compression)
         partitioner = placement.check_partitioner(variable_partitioner)
         # None: what the launcher exported (600 s in Kubernetes pods), else 60 / 30 s.
@@ -184,6 +186,7 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
         self._mode = mode
         self._period = period
         self._average_optimizer_state = average_optimizer_state
+        self._outer = None if outer_optimizer is None else OuterOptimizer(outer_optimizer)
         self._init_timeout = init_timeout
         self._compressor = compressor
         self._partitioner = partitioner
@@ -217,10 +220,12 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
 
     # Variables ---------------------------------------------------------------------------
 
-    def _role(self, kwargs):
-        """What a push does with a new variable; None keeps it local to this worker."""
+    def _role(self, kwargs, optimizer):
+        """What a push does with a new variable (made by `optimizer`, a Keras optimizer or
+        None); None keeps it local to this worker."""
         dtype = tf.as_dtype(kwargs.get("dtype") or tf.float32)
-        optimizer = _tf_compat.keras_optimizer_in_scope()
+        if self._outer is not None and self._outer.building:
+            return protocol.OPTIMIZER  # the outer optimizer's state lives on the ps tasks
         if self._mode == AVERAGING:
             if optimizer is not None and not self._average_optimizer_state:
                 return None
@@ -246,7 +251,10 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             initial_value = tf.convert_to_tensor(initial_value, dtype=kwargs.get("dtype"))
         kwargs["initial_value"] = initial_value
         kwargs.setdefault("dtype", initial_value.dtype)
-        role = self._role(kwargs)
+        optimizer = _tf_compat.keras_optimizer_in_scope()
+        if self._outer is not None and not self._outer.building:
+            self._outer.attach(optimizer)  # before a checkpoint restores it: in __init__
+        role = self._role(kwargs, optimizer)
         if role is None:
             return super()._create_variable(next_creator, **kwargs)
         colocate_with = kwargs.pop("colocate_with", None)
@@ -312,6 +320,8 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                 if self._optimizer is not None:
                     check_optimizer(self._optimizer, self._mode,
                                     type(self._container_strategy()).__name__)
+                    if self._outer is not None:
+                        self._outer.attach(self._optimizer)
             step.trained = step.trained or len(args) == 2
             return super()._update(var, fn, args, kwargs, group)
         # A worker's optimizer step is the ps's job: the gradient is recorded, and pushed
@@ -337,6 +347,7 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             return
         pushed = {id(v) for v in pushed_variables}
         sparse = {id(v) for v in sparse_variables}
+        outer = self._build_outer() if self._outer is not None else set()
         num_ps = self._connection.num_ps
         options = {}
         for variable in self._mirrors:
@@ -353,6 +364,8 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                      "dtype": variable.dtype.name, "role": role, **options.get(id(variable), {})}
             if id(variable) in sparse and role == protocol.GRADIENT:
                 entry["sparse"] = True
+            if id(variable) in outer:
+                entry["outer"] = True
             for shard, rows in self._placement[variable._tfdist_path]:
                 part = _Part(variable, rows)
                 entries[shard].append({**entry, "shape": part.shape,
@@ -399,17 +412,41 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
             self._residuals = [None] * len(clients)
             self._pull()
 
+    def _build_outer(self):
+        """Model averaging with an outer optimizer: builds this worker's copy of it, whose
+        variables are mirrors of masters, on the variables the model's optimizer trains;
+        returns their ids. The rest (BatchNorm statistics, the optimizer's slots under
+        `optimizer_state="averaged"`) is averaged plainly."""
+        inner = getattr(self._optimizer, "inner_optimizer", self._optimizer)
+        trained = [v for v in getattr(inner, "_trainable_variables", None) or []
+                   if isinstance(getattr(v, "_value", None), MirrorVariable)
+                   and v._value._tfdist_role == protocol.AVERAGE]
+        if not trained:
+            raise ValueError(
+                "`outer_optimizer` applies to the variables the model's Keras optimizer "
+                "trains, and this train step trains none under the strategy's scope: train "
+                "with `model.fit` (or `optimizer.apply`) on a model built and compiled inside "
+                "`with strategy.scope():`")
+        with tf.init_scope(), self._container_strategy().scope():
+            self._outer.build(trained)
+        return {id(v._value) for v in trained}
+
     def _plan(self, options):
         """`{path: [(ps_index, rows)]}`: where each mirror's master parts live."""
         partitioner = self._partitioner
-        elementwise = self._mode == AVERAGING or placement.elementwise_optimizer(
-            self._optimizer)
+        # Averaging is elementwise; an outer optimizer's update must be too.
+        if self._mode == AVERAGING:
+            applied, role = (None, None) if self._outer is None else (
+                self._outer.optimizer, "the outer optimizer is")
+        else:
+            applied, role = self._optimizer, "the model trains with"
+        elementwise = applied is None or placement.elementwise_optimizer(applied)
         if not elementwise and partitioner not in (None, placement.AUTO):
-            inner = getattr(self._optimizer, "inner_optimizer", self._optimizer)
+            inner = getattr(applied, "inner_optimizer", applied)
             raise ValueError(
                 f"`variable_partitioner` splits variables over ps tasks, which is exact only "
                 f"for an optimizer whose update is elementwise "
-                f"({sorted(placement.ELEMENTWISE_OPTIMIZERS)}); the model trains with "
+                f"({sorted(placement.ELEMENTWISE_OPTIMIZERS)}); {role} "
                 f"{type(inner).__name__}. Pass `variable_partitioner=None`")
         items = []
         for variable in self._mirrors:
@@ -466,12 +503,16 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
 
     def _spec(self, shard, entries):
         config = self._connection.config
-        optimizer, imports = None, []
+        optimizer = outer = None
+        applied = []  # the optimizers the ps tasks rebuild: they import a custom one's module
         if self._mode == GRADIENTS:
             optimizer = keras.optimizers.serialize(self._optimizer)
-            module = type(self._optimizer).__module__
-            if not module.startswith("keras."):
-                imports.append(module)
+            applied.append(self._optimizer)
+        if self._outer is not None:
+            outer = self._outer.config
+            applied.append(self._outer.optimizer)
+        imports = [module for module in (type(o).__module__ for o in applied)
+                   if not module.startswith("keras.")]
         policy = self._policy.to_spec()
         if ":" in str(policy.get("staleness", "")):
             imports.append(policy["staleness"])
@@ -479,7 +520,7 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                 "worker_tasks": self._connection.training_tasks,
                 "worker_addresses": self._connection.training_addresses,
                 "num_ps": config.num_ps, "shard": shard, "variables": entries,
-                "optimizer": optimizer, "imports": imports,
+                "optimizer": optimizer, "outer_optimizer": outer, "imports": imports,
                 "compression": (None if self._compressor is None
                                 else compression_lib.serialize(self._compressor)),
                 "delta": self._mode == AVERAGING and self._compressor is not None,
