@@ -5,6 +5,8 @@ hook for where its optimizer lives. Each import below says why it is needed, so 
 TensorFlow or Keras upgrade touches this file only.
 """
 
+# Model averaging's outer optimizer state, like codec state, saves itself with its
+# optimizer (an attribute, which Keras saving walks; Keras exports no public name for it).
 # Codec state saves itself with its optimizer: the class Keras's saving walks into (and,
 # below, the base class whose `_serialize_to_tensors` a `tf.train.Checkpoint` calls). Its
 # variables are made while a step is traced, maybe after a checkpoint was restored, so it
@@ -153,11 +155,6 @@ def keras_name_scope_for_path(path):
     head, _, last = parent.rpartition("/")
     return keras.name_scope(last, override_parent=head or None)
 
-
-# Model averaging's outer optimizer keeps its state in the Keras checkpoints of the model (an
-# attribute of the model's optimizer, which Keras saving walks); only a `KerasSaveable` is
-# walked, and Keras exports no public name for it.
-from keras.src.saving.keras_saveable import KerasSaveable  # noqa: F401,E402
 
 # The all-reduce family extends TF's own Mirrored / CollectiveAllReduce engines: compression
 # hooks into their `_batch_reduce_to` (where Keras's gradient all-reduce lands on CPU), and a
