@@ -198,8 +198,9 @@ def network_section(result):
              f"`benchmarks/network.py`: {result['job']}; {result['network']}; "
              f"{result['machine']}. Timing: median seconds per step of the chief over "
              f"{result.get('timing_steps', '?')} steps; speed-up = uncompressed step time over "
-             "the codec's at the same bandwidth and N, in the same run. `bytes_on_wire` is "
-             "what one worker receives per step at that N (Keras logs); the ratio is the dense "
+             "the codec's at the same bandwidth and N, in the same run (DGC timed without its "
+             "warm-up; codecs left out of a setting are blank). `bytes_on_wire` is what one "
+             "worker sends and receives per step at that N (Keras logs); the ratio is the dense "
              "ring all-reduce's over it.", ""]
     timing = result.get("timing", {})
     settings = sorted(timing)
@@ -216,7 +217,7 @@ def network_section(result):
             for setting in settings:
                 r = timing[setting].get(name, {})
                 row.append(f"{r['seconds_per_step']:.3f} ({r.get('speedup', 0):.1f}x)"
-                           if "seconds_per_step" in r else "error")
+                           if "seconds_per_step" in r else "error" if r else "")
             for setting in by_n.values():
                 r = timing[setting].get(name, {})
                 row.append(f"{int(r['bytes_on_wire']):,}, {r['compression_ratio']:.1f}x"
