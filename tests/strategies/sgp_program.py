@@ -4,7 +4,8 @@ Scenarios (`--sgp_scenario`; every run passes `--strategy=sgp`):
   equivalence  overlap off, 3 workers. First fit: the graph is fully connected (every worker
                sends to both others), plain SGD: all-reduce SGD step for step. Second fit: an
                irregular graph (a hub per step takes two messages, one worker none), so the
-               push-sum weights move away from 1. Then `join` averages the models.
+               push-sum weights move away from 1. Worker 0 then takes one step more, alone
+               (the others are ending), and `join` averages the models.
   long         the default settings, trained long enough to be killed mid-run; prints READY
                and the logs after the first epoch.
 """
@@ -13,6 +14,7 @@ import json
 import os
 
 import keras
+import tensorflow as tf
 from absl import app
 from absl import flags
 
@@ -74,9 +76,19 @@ def main(argv):
     result.update(connected=weights(), first=history_of(first))
     second = model.fit(xs, ys, **fit)
     result.update(second=history_of(second), before_join=strategy.progress())
+    if rank == 0:
+        # One step more than the others, which are ending: their end markers come instead
+        # of their messages, and worker 0 goes on alone.
+        model.fit(xs[:BATCH], ys[:BATCH], batch_size=BATCH, epochs=1, shuffle=False,
+                  verbose=0)
     strategy.join()
     result.update(final=weights(), progress=strategy.progress(),
                   evaluation=model.evaluate(x, y, batch_size=64, verbose=0))
+    try:
+        model.fit(xs, ys, **fit)
+        result["fit_after_join"] = "trained"
+    except tf.errors.InvalidArgumentError as e:
+        result["fit_after_join"] = e.message
     save(f"worker{rank}.json", **result)
 
 

@@ -152,7 +152,9 @@ class ClusterTest(tf.test.TestCase):
         # weights equal one process's on the three workers' batches taken together. The
         # second, on an irregular graph, moves the push-sum weights away from 1 while their
         # sum stays 3 at every epoch end (every message of a step is taken at that step).
-        # `join` then averages the models once: the same bits on every worker.
+        # Worker 0 takes a 13th step alone (the others' end markers come instead of their
+        # messages); `join` then averages the models once, all the mass kept (sum of w = 3):
+        # the same bits on every worker.
         out = self.get_temp_dir()
         cluster, result = run_cluster(out, 3, "--strategy=sgp", "--epochs=2",
                                       "--sgp_scenario=equivalence", num_ps=0, program=PROGRAM)
@@ -167,10 +169,19 @@ class ClusterTest(tf.test.TestCase):
             self.assertAllClose(worker["first"]["push_sum_weight"], [1.0, 1.0])
             self.assertEqual(worker["progress"]["messages_late"], 0)
             self.assertEqual(worker["progress"]["message_delay_max"], 0)
-            self.assertEqual(worker["progress"]["messages_received"], 18)  # 6 x 2 + 6 x 1
+            # 6 x 2 + 6 x 1 in the steps; worker 1 takes worker 0's 13th-step message (hub 0
+            # sends to 1) in its join.
+            self.assertEqual(worker["before_join"]["messages_received"], 18)
+            # 6 steps to 2 peers, 6 (worker 0: 7) to 1; 4 bytes x (7 head words + 178
+            # parameters) each.
+            self.assertEqual(worker["progress"]["bytes_sent"],
+                             (19 if rank == 0 else 18) * 4 * (7 + 178))
+            self.assertEqual(worker["progress"]["peer_steps"],
+                             [None if r == rank else 13 if r == 0 else 12 for r in range(3)])
             self.assertAllClose(worker["progress"]["final_weight_sum"], 3.0, rtol=1e-6)
             for got, want in zip(worker["final"], workers[0]["final"]):
                 self.assertAllEqual(got, want)
+            self.assertIn("has left the run", worker["fit_after_join"])
         weights = np.array([w["second"]["push_sum_weight"] for w in workers])
         self.assertAllClose(weights.sum(axis=0), [3.0, 3.0], rtol=1e-6)
         self.assertGreater(np.abs(weights - 1).max(), 0.2, weights)

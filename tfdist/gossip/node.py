@@ -32,7 +32,7 @@ _started = []  # one node per process: a process has one eager context and one s
 
 
 class PeerError(RuntimeError):
-    """A peer stopped answering, or did not take the same number of steps."""
+    """A peer stopped answering, or sent what has no place where it came."""
 
 
 def _die_with_parent(parent):

@@ -94,12 +94,14 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
         self._variables = None
         self._left = False
         self._final_weight_sum = None
+        self._peer_steps = None
         with tf.init_scope(), tf.device(node.host_device):
             def state(name, value, dtype):
                 return tf.Variable(tf.constant(value, dtype), trainable=False,
                                    name=f"tfdist_sgp_{name}")
 
             self._weight = state("weight", 1.0, tf.float32)
+            self._active = state("active", True, tf.bool)  # False once the worker left
             self._step = state("step", 0, tf.int64)
             # Per sender: messages it owes by now (with the overlap, those sent up to
             # max_delay steps ago), messages taken, and the step count of its END (-1: none).
@@ -107,8 +109,8 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
             self._consumed = state("consumed", [0] * num_workers, tf.int64)
             self._ended = state("ended", [-1] * num_workers, tf.int64)
             # Telemetry: messages taken, taken at a later step than sent, the largest
-            # delay (steps), steps that waited for a message.
-            self._stats = state("stats", [0, 0, 0, 0], tf.int64)
+            # delay (steps), steps that waited for a message, bytes sent.
+            self._stats = state("stats", [0, 0, 0, 0, 0], tf.int64)
         atexit.register(self._leave_at_exit)
 
     # The step ----------------------------------------------------------------------------
@@ -122,7 +124,8 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
         finally:
             self._tls.step = previous
         if previous is not None:  # a LossScaleOptimizer applies in a replica call of its own
-            previous.variables.extend(v for v in step.variables if v not in previous.variables)
+            known = {id(v) for v in previous.variables}
+            previous.variables.extend(v for v in step.variables if id(v) not in known)
             return result
         if not step.variables:
             return result  # evaluate / predict: no gossip
@@ -189,8 +192,12 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
                            for v in self._variables], axis=0) * weight
             peers, in_counts = self._peers_and_counts(step)
             share = 1.0 / (tf.reduce_sum(tf.cast(peers >= 0, tf.float32)) + 1.0)
-            sent = node.send(peers, protocol.pack(step, node.rank, 0, weight * share,
-                                                  x * share))
+            active = tf.debugging.Assert(self._active.read_value(), [
+                f"{node.task_name} has left the run (`strategy.join()`): it cannot train any "
+                "more"])
+            with tf.control_dependencies([active]):
+                sent = node.send(peers, protocol.pack(step, node.rank, 0, weight * share,
+                                                      x * share))
             consumed = self._consumed.read_value()
             if self._overlap:
                 late_step = step - self._max_delay
@@ -204,7 +211,7 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
             with tf.control_dependencies([sent]):
                 messages, senders, waited = node.take(needed, self._overlap, ended >= 0)
             tags, _, infos, weights, values = protocol.unpack(messages)
-            checks = self._check_messages(step, tags, infos, senders, needed, ended)
+            checks = self._check_messages(tags, infos)
             training = tags >= 0
             got = tf.math.unsorted_segment_sum(tf.cast(training, tf.int64), senders,
                                                num_workers)
@@ -223,7 +230,8 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
                 stats[1] + tf.reduce_sum(tf.cast(delays > 0, tf.int64)),
                 tf.maximum(stats[2], tf.reduce_max(tf.concat([delays, tf.zeros([1], tf.int64)],
                                                               0))),
-                stats[3] + tf.cast(waited, tf.int64)])
+                stats[3] + tf.cast(waited, tf.int64),
+                stats[4] + 4 * node.size * tf.reduce_sum(tf.cast(peers >= 0, tf.int64))])
         with tf.control_dependencies(checks):
             updates = [self._weight.assign(new_weight, read_value=False),
                        self._consumed.assign(consumed + got, read_value=False),
@@ -237,12 +245,11 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
                     tf.cast(tf.reshape(part, variable.shape), variable.dtype), read_value=False))
         return tf.group(updates)
 
-    def _check_messages(self, step, tags, infos, senders, needed, ended):
-        """Asserts that fail the step, with the peer's name: a DEAD report, a peer that ended
-        its training (END) while this worker still needs its messages."""
+    def _check_messages(self, tags, infos):
+        """Asserts that fail the step: a DEAD report (with the peer's name), a message that
+        has no place in a training step."""
         node = self._node
         texts = tf.constant([node.dead_message(r) for r in range(node.num_workers + 1)])
-        names = tf.constant(node.names)
         dead = tags == protocol.DEAD
         # (a sentinel keeps argmax off an empty batch)
         first_dead = tf.gather(tf.concat([infos, [0]], 0),
@@ -250,25 +257,14 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
         no_dead = tf.debugging.Assert(
             tf.logical_not(tf.reduce_any(dead)),
             [tf.gather(texts, tf.clip_by_value(first_dead, 0, node.num_workers))])
+        # A sender whose END came instead of a message has ended its training (fewer steps,
+        # or an EarlyStopping): the step goes on without it. It takes this worker's
+        # messages until this worker ends too, so no push-sum mass is lost.
         is_end = tags == protocol.END
-        ended_now = tf.tensor_scatter_nd_max(ended, tf.where(is_end, senders, 0)[:, None],
-                                             tf.where(is_end, infos, -1))
-        got = tf.math.unsorted_segment_sum(tf.cast(tags >= 0, tf.int64), senders,
-                                           node.num_workers)
-        short = got < needed
-        sender = tf.argmax(tf.cast(short, tf.int32))
-        message = tf.strings.join([
-            "tfdist: ", tf.gather(names, sender), " ended its training after ",
-            tf.strings.as_string(tf.gather(ended_now, sender)), " steps, while ",
-            node.task_name, " at step ", tf.strings.as_string(step),
-            " waits for its messages: every worker of a Stochastic Gradient Push run must "
-            "take the same number of steps (`strategy.shard` gives every worker the same "
-            "number of rows)"])
-        no_short = tf.debugging.Assert(tf.logical_not(tf.reduce_any(short)), [message])
         known = tf.reduce_all((tags >= 0) | dead | is_end)
         no_stray = tf.debugging.Assert(known, ["tfdist: an unexpected gossip message (tags ",
                                                tags, ") reached ", node.task_name])
-        return [no_dead, no_short, no_stray]
+        return [no_dead, no_stray]
 
     # Logs ------------------------------------------------------------------------------
 
@@ -281,8 +277,8 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
         stats = [int(s) for s in self._stats.numpy()]
         return {"step": int(self._step.numpy()), "push_sum_weight": float(self._weight.numpy()),
                 "messages_received": stats[0], "messages_late": stats[1],
-                "message_delay_max": stats[2], "gossip_waits": stats[3],
-                "final_weight_sum": self._final_weight_sum}
+                "message_delay_max": stats[2], "gossip_waits": stats[3], "bytes_sent": stats[4],
+                "final_weight_sum": self._final_weight_sum, "peer_steps": self._peer_steps}
 
     # Ending ------------------------------------------------------------------------------
 
@@ -293,6 +289,7 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
         if self._left:
             return
         self._left = True
+        self._active.assign(False)
         node = self._node
         try:
             if node.size is not None:
@@ -341,6 +338,7 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
             variable.assign(np.reshape(part, variable.shape).astype(variable.dtype.as_numpy_dtype))
         self._weight.assign(weight)
         self._consumed.assign(state.consumed)
+        self._peer_steps = [state.peer_steps.get(r) for r in range(num_workers)]
 
     # Input ---------------------------------------------------------------------------------
 
@@ -367,19 +365,11 @@ class _Drain:
         ended = extended._ended.numpy()
         self.phase = {r: 1 if ended[r] >= 0 else 0 for r in range(self.node.num_workers)
                       if r != self.node.rank}
+        self.peer_steps = {r: int(ended[r]) for r in self.phase if ended[r] >= 0}
         for sender, phase in self.phase.items():
             if phase:
-                self._check_steps(sender, int(ended[sender]))
                 self._maybe_done(sender)
         self.models = {}
-
-    def _check_steps(self, sender, steps):
-        if steps != self.steps:
-            raise PeerError(
-                f"tfdist: {self.node.names[sender]} took {steps} training steps and "
-                f"{self.node.task_name} took {self.steps}: every worker of a Stochastic "
-                "Gradient Push run must take the same number of steps (`strategy.shard` gives "
-                "every worker the same number of rows)")
 
     def _maybe_done(self, sender):
         if self.phase[sender] == (2 if self.extended._final_average else 1):
@@ -398,7 +388,7 @@ class _Drain:
                 self.weight = self.weight + weight.numpy()
                 self.consumed[sender] += 1
             elif tag == protocol.END and self.phase[sender] == 0:
-                self._check_steps(sender, info)
+                self.peer_steps[sender] = info
                 self.phase[sender] = 1
             elif tag == protocol.AVERAGE and self.phase[sender] == 1:
                 self.models[sender] = (values.numpy(), weight.numpy())
@@ -482,10 +472,10 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
     def shard(self, *arrays):
         """This worker's block of each array, every worker's the same size.
 
-        Every worker of a run must take the same number of steps (each step of a worker
-        waits for its in-peers' messages of that step): arrays are cut into `num_workers`
-        blocks of `len // num_workers` rows (the last `len % num_workers` rows are left
-        out). A `tf.data.Dataset` is sharded with `dataset.shard(num_workers, index)`.
+        Workers that take the same number of steps gossip to the end (a worker that ends
+        early leaves the others to go on without its messages): arrays are cut into
+        `num_workers` blocks of `len // num_workers` rows (the last `len % num_workers` rows
+        are left out). A `tf.data.Dataset` is sharded with `dataset.shard(num_workers, index)`.
         """
         out = []
         for array in arrays:
@@ -499,12 +489,17 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
     def join(self):
         """Ends this worker's training (once): takes every message sent to it, and with
         `final_average` averages the workers' models exactly; waits for every peer to end
-        too. Raises `PeerError` naming a peer that died or took another number of steps."""
+        too. Raises `PeerError` naming a peer that died."""
         self.extended.leave()
+
+    # What `TelemetryCallback` writes from `progress()`.
+    telemetry_scalars = ("push_sum_weight", "messages_received", "messages_late",
+                         "message_delay_max", "gossip_waits")
 
     def progress(self):
         """This worker's gossip: its step, push_sum_weight, messages_received,
-        messages_late, message_delay_max, gossip_waits and, after a final average,
-        final_weight_sum (the push-sum mass of all the workers, num_workers in exact
-        arithmetic)."""
+        messages_late, message_delay_max, gossip_waits, bytes_sent (the messages this
+        worker's courier carries, one per out-peer) and, after `join`, peer_steps (the
+        training steps each peer took, by rank) and with a final average final_weight_sum
+        (the push-sum mass of all the workers, num_workers in exact arithmetic)."""
         return self.extended.progress()
