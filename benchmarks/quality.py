@@ -4,10 +4,10 @@
     python benchmarks/quality.py --seeds=1 --workers=4 --epochs=5   # a quick look
 
 Every mode trains `examples/train_digits.py` for the same number of epochs on a local cluster
-(1 ps + M workers; each worker a 1/M share of the data; learning rate scaled by the gradients
-each update averages). The chief records the test accuracy after every epoch and the wall time
-since training began. Writes `<out>.json` (per run and mean / std over seeds) and `<out>.png`
-(accuracy against epoch and against seconds).
+(1 ps + M workers, no ps for SGP; each worker a 1/M share of the data; learning rate scaled
+by the gradients each update averages, by M for SGP). The chief records the test accuracy
+after every epoch and the wall time since training began. Writes `<out>.json` (per run and
+mean / std over seeds) and `<out>.png` (accuracy against epoch and against seconds).
 """
 
 import json
@@ -47,6 +47,8 @@ def modes():
         "averaging k=1": ["--strategy=model_averaging", "--strategy_arg=period=1"],
         "averaging k=4": ["--strategy=model_averaging", "--strategy_arg=period=4"],
         "averaging k=16": ["--strategy=model_averaging", "--strategy_arg=period=16"],
+        # No ps: each worker gossips with one peer a step; `join` averages the models.
+        "sgp": ["--strategy=sgp"],
     }
 
 
@@ -60,7 +62,8 @@ def _run(flags_, seed, num_workers=None):
         if num_workers is None:
             subprocess.run(command, check=True, capture_output=True, timeout=FLAGS.timeout)
         else:
-            with LocalCluster(command, num_ps=1, num_workers=num_workers,
+            num_ps = 0 if "--strategy=sgp" in flags_ else 1
+            with LocalCluster(command, num_ps=num_ps, num_workers=num_workers,
                               timeout=FLAGS.timeout, output=None) as cluster:
                 result = cluster.wait()
             if result.returncode:
