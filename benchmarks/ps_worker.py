@@ -24,6 +24,8 @@ flags.DEFINE_integer("straggler_rank", -1, "Worker rank slowed down (-1: none)."
 flags.DEFINE_float("straggler_delay", 0.0, "Seconds the straggler sleeps after each step.")
 flags.DEFINE_float("warmup", 4.0, "Seconds before the measurement window.")
 flags.DEFINE_float("window", 10.0, "Seconds of the measurement window.")
+flags.DEFINE_float("startup_timeout", 120.0, "Seconds the chief waits for its 20th step "
+                   "before the warm-up starts anyway.")
 flags.DEFINE_integer("batch_size", 32, "Per-worker batch size.")
 flags.DEFINE_integer("steps_per_execution", 1, "Keras `steps_per_execution`.", lower_bound=1)
 
@@ -51,8 +53,8 @@ class _Pace(keras.callbacks.Callback):
 
 def _progress(strategy, pace):
     """The parameter-server telemetry, or for the others the chief's own step count (every
-    step of an all-reduce or one-process run is one update)."""
-    if hasattr(strategy, "progress"):
+    step of an all-reduce, gossip or one-process run is one update of its model)."""
+    if hasattr(strategy, "placement"):
         return strategy.progress()
     steps = pace.steps
     return {"global_step": steps, "dropped_gradients": 0, "aggregated_gradients": steps,
@@ -60,7 +62,13 @@ def _progress(strategy, pace):
 
 
 def _measure(strategy, pace, out_dir):
-    """On the chief: global steps per second over the window."""
+    """On the chief: global steps per second over the window, which starts `warmup` seconds
+    after the chief's 20th step (start-up, the runs' first traces and, for gossip, the
+    couriers' start do not count: an SGP worker's first messages wait for its peers'
+    couriers, which it meets at step 1 + max_delay)."""
+    deadline = time.monotonic() + FLAGS.startup_timeout
+    while pace.steps < 20 and time.monotonic() < deadline:
+        time.sleep(0.05)
     time.sleep(FLAGS.warmup)
     before = _progress(strategy, pace)
     start = time.monotonic()
@@ -74,6 +82,9 @@ def _measure(strategy, pace, out_dir):
                   "staleness_mean": after["staleness_mean"]})
     if hasattr(strategy, "placement"):
         figures["placement"] = strategy.placement()
+    elif isinstance(strategy, tfdist.strategies.StochasticGradientPushStrategy):
+        gossip = strategy.progress()  # what the chief's courier carried per step
+        figures["bytes_sent_per_step"] = gossip["bytes_sent"] / max(gossip["step"], 1)
     with open(os.path.join(out_dir, "rate.json"), "w") as f:
         json.dump(figures, f)
     open(os.path.join(out_dir, "stop"), "w").close()
@@ -111,8 +122,8 @@ def main(argv):
         strategy.join()
     times = pace.step_times[5:] or pace.step_times
     with open(os.path.join(FLAGS.out_dir, f"worker{rank}.json"), "w") as f:
-        json.dump({"mean_step_seconds": float(np.mean(times)), "steps": pace.steps},
-                  f)
+        json.dump({"mean_step_seconds": float(np.mean(times)),
+                   "median_step_seconds": float(np.median(times)), "steps": pace.steps}, f)
 
 
 if __name__ == "__main__":

@@ -5,12 +5,12 @@
     python benchmarks/quality.py --update --modes="averaging k=16 outer"   # one mode again
 
 Every mode trains `examples/train_digits.py` for the same number of epochs on a local cluster
-(1 ps + M workers; each worker a 1/M share of the data; learning rate scaled by the gradients
-each update averages). The chief records the test accuracy after every epoch and the wall time
-since training began. "outer" rows average with DiLoCo's outer step on the ps (SGD with
-Nesterov momentum, --outer_learning_rate, --outer_momentum): 16x fewer exchanges than k=1.
-Writes `<out>.json` (per run and mean / std over seeds) and `<out>.png` (accuracy against
-epoch and against seconds).
+(1 ps + M workers, no ps for SGP; each worker a 1/M share of the data; learning rate scaled
+by the gradients each update averages, by M for SGP). The chief records the test accuracy
+after every epoch and the wall time since training began. Writes `<out>.json` (per run and
+mean / std over seeds) and `<out>.png` (accuracy against epoch and against seconds).
+"outer" rows average with DiLoCo's outer step on the ps (SGD with Nesterov momentum,
+--outer_learning_rate, --outer_momentum): 16x fewer exchanges than k=1.
 """
 
 import json
@@ -54,6 +54,8 @@ def modes():
         "averaging k=16": ["--strategy=model_averaging", "--strategy_arg=period=16"],
         "averaging k=16 outer": ["--strategy=model_averaging", "--strategy_arg=period=16",
                                  f"--strategy_arg=outer_optimizer={json.dumps(outer())}"],
+        # No ps: each worker gossips with one peer a step; `join` averages the models.
+        "sgp": ["--strategy=sgp"],
     }
 
 
@@ -74,7 +76,8 @@ def _run(flags_, seed, num_workers=None):
         if num_workers is None:
             subprocess.run(command, check=True, capture_output=True, timeout=FLAGS.timeout)
         else:
-            with LocalCluster(command, num_ps=1, num_workers=num_workers,
+            num_ps = 0 if "--strategy=sgp" in flags_ else 1
+            with LocalCluster(command, num_ps=num_ps, num_workers=num_workers,
                               timeout=FLAGS.timeout, output=None) as cluster:
                 result = cluster.wait()
             if result.returncode:

@@ -32,6 +32,8 @@ flags.DEFINE_float("warmup", 4.0, "Seconds before each window.", lower_bound=0)
 flags.DEFINE_integer("repeats", 2, "Runs of each row (interleaved); the median is kept.",
                      lower_bound=1)
 flags.DEFINE_float("timeout", 180.0, "Seconds each run may take.")
+flags.DEFINE_list("only", [], "Run only the rows whose name contains one of these (and the "
+                  "all-reduce reference).")
 flags.DEFINE_string("out", os.path.join("benchmarks", "results", "rates"),
                     "Output path without extension.")
 flags.DEFINE_string("peer_python", None,
@@ -57,6 +59,9 @@ def rows(m, peer):
         "model averaging, period 1, 1 ps": (["--strategy=model_averaging"], 1, m),
         "hard sync, 1 ps, steps_per_execution 10": (["--strategy=soft_sync", *SPE10], 1, m),
         "async, 1 ps, steps_per_execution 10": (["--strategy=async", *SPE10], 1, m),
+        "SGP, exponential graph, 1 peer, overlap": (["--strategy=sgp"], 0, m),
+        "SGP, synchronous (overlap off)": (["--strategy=sgp",
+                                            "--strategy_arg=overlap=False"], 0, m),
     }
     if peer:
         table[PEER] = (["--steps_per_execution=1"], None, m)
@@ -106,6 +111,9 @@ def main(argv):
     del argv
     m = FLAGS.num_workers
     table = rows(m, FLAGS.peer_python)
+    if FLAGS.only:
+        table = {name: spec for name, spec in table.items()
+                 if name == REFERENCE or any(part in name for part in FLAGS.only)}
     runs = {name: [] for name in table}
     for repeat in range(FLAGS.repeats):
         for name, (strategy_flags, num_ps, workers) in table.items():
@@ -120,6 +128,9 @@ def main(argv):
         rates = [f["updates_per_second"] for f in figures if "updates_per_second" in f]
         row = {"updates_per_second": statistics.median(rates) if rates else None,
                "runs": figures}
+        sent = [f["bytes_sent_per_step"] for f in figures if "bytes_sent_per_step" in f]
+        if sent:  # a gossip worker's messages per step (the all-reduce and ps rows: placement)
+            row["bytes_sent_per_worker_step"] = statistics.median(sent)
         results["rows"][name] = row
     reference = results["rows"][REFERENCE]["updates_per_second"]
     for name, row in results["rows"].items():

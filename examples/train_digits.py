@@ -19,6 +19,12 @@ Model averaging every 16 steps with DiLoCo's outer step (Nesterov momentum) on t
         --strategy=model_averaging --strategy_arg=period=16 --strategy_arg=outer_optimizer='{
         "class_name": "SGD", "config": {"learning_rate": 0.7, "momentum": 0.9, "nesterov": true}}'
 
+Four workers and no server, Stochastic Gradient Push (each worker gossips with one peer a
+step, and `join` averages the models at the end):
+
+    tfdist-launch --local --num_ps=0 --num_workers=4 -- python examples/train_digits.py \
+        --strategy=sgp
+
 The data ships with scikit-learn (no download). Every worker passes the whole training set to
 `fit`; tfdist's parameter-server strategies give each worker its own shard of the batches, and
 the all-reduce strategies split every global batch over the replicas (tf.data auto-sharding).
@@ -107,14 +113,18 @@ def main(argv):
     strategy = tfdist.strategies.from_flags()
     learning_rate = FLAGS.learning_rate
     if FLAGS.scale_learning_rate:
-        learning_rate *= getattr(strategy, "replicas_to_aggregate",
-                                 strategy.num_replicas_in_sync)
+        # Stochastic Gradient Push's workers each step on their own batch, and the gossip
+        # mixes every worker's steps into every model.
+        sgp = isinstance(strategy, tfdist.strategies.StochasticGradientPushStrategy)
+        learning_rate *= (strategy.num_workers if sgp else
+                          getattr(strategy, "replicas_to_aggregate",
+                                  strategy.num_replicas_in_sync))
     with strategy.scope():
         model = build_model(FLAGS.seed)
         model.compile(optimizer=make_optimizer(FLAGS.optimizer, learning_rate),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    # tfdist's parameter-server strategies give each worker its own share of the data; the
-    # all-reduce strategies take a global batch and split it over their replicas.
+    # tfdist's parameter-server and gossip strategies give each worker its own share of the
+    # data; the all-reduce strategies take a global batch and split it over their replicas.
     if hasattr(strategy, "shard"):
         (x_fit, y_fit), batch_size = strategy.shard(x_train, y_train), FLAGS.batch_size
     else:

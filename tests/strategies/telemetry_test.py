@@ -57,5 +57,19 @@ class TelemetryCallbackTest(tf.test.TestCase):
             tfdist.strategies.TelemetryCallback(_FakeStrategy(), "/tmp/x", every_n_batches=0)
 
 
-if __name__ == "__main__":
-    tf.test.main()
+class _FakeGossip:
+    telemetry_scalars = ("push_sum_weight", "messages_late")
+
+    def progress(self):
+        return {"step": 7, "push_sum_weight": 0.5, "messages_late": 3}
+
+
+class GossipTelemetryTest(tf.test.TestCase):
+
+    def test_gossip_counters_at_the_worker_step(self):
+        log_dir = self.get_temp_dir()
+        callback = tfdist.strategies.TelemetryCallback(_FakeGossip(), log_dir)
+        callback.on_epoch_end(0)
+        callback.on_train_end()
+        events = {(step, tag) for step, tag, _ in _events(log_dir)}
+        self.assertEqual(events, {(7, "tfdist/push_sum_weight"), (7, "tfdist/messages_late")})

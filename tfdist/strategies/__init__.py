@@ -5,6 +5,7 @@ from tfdist.strategies.collective import CompressedMirroredStrategy
 from tfdist.strategies.collective import MultiWorkerMirroredStrategy
 from tfdist.strategies.flags import define_flags
 from tfdist.strategies.flags import from_flags
+from tfdist.strategies.gossip import StochasticGradientPushStrategy
 from tfdist.strategies.model_averaging import ModelAveragingStrategy
 from tfdist.strategies.parameter_server import AsyncStrategy
 from tfdist.strategies.parameter_server import SoftSyncStrategy
@@ -17,6 +18,7 @@ from tfdist.strategies.telemetry import TelemetryCallback
 _registry.register("soft_sync", SoftSyncStrategy)
 _registry.register("async", AsyncStrategy)
 _registry.register("model_averaging", ModelAveragingStrategy)
+_registry.register("sgp", StochasticGradientPushStrategy)
 _registry.register("compressed_mirrored", CompressedMirroredStrategy)
 # tfdist's MultiWorkerMirrored takes the built-in's name: it is the one that runs Keras 3 `fit`
 # (and with compression=None computes what TF's would); TF's own stays reachable.
@@ -28,6 +30,7 @@ __all__ = [
     "ModelAveragingStrategy",
     "MultiWorkerMirroredStrategy",
     "SoftSyncStrategy",
+    "StochasticGradientPushStrategy",
     "TelemetryCallback",
     "define_flags",
     "from_flags",

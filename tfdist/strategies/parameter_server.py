@@ -40,6 +40,8 @@ from tfdist.ps.service import push_key
 from tfdist.ps.variables import MirrorVariable
 from tfdist.ps.variables import replica_step
 from tfdist.strategies.outer_optimizer import OuterOptimizer
+from tfdist.strategies.worker_tasks import BetweenGraphExtendedMixin
+from tfdist.strategies.worker_tasks import WorkerTasksMixin
 
 log = logging.getLogger("tfdist")
 
@@ -149,7 +151,7 @@ class _Step:
         self.trained = False    # the optimizer updated variables (model averaging)
 
 
-class ParameterServerExtended(_tf_compat.OneDeviceExtended):
+class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExtended):
     """The engine of the parameter-server strategies (one replica per worker process).
 
     Args:
@@ -829,44 +831,11 @@ class ParameterServerExtended(_tf_compat.OneDeviceExtended):
                                           self._connection.num_workers)
         return self._clients[0].read_progress()
 
-    # Properties --------------------------------------------------------------------------
-
-    def _in_multi_worker_mode(self):
-        return False
-
-    @property
-    def experimental_between_graph(self):
-        return True
-
-    @property
-    def should_checkpoint(self):
-        return self._connection.is_chief
-
-    @property
-    def should_save_summary(self):
-        return self._connection.is_chief
 
 
-class ParameterServerStrategyBase(tf.distribute.Strategy):
-    """Shared public surface of the tfdist parameter-server strategies."""
-
-    @property
-    def is_chief(self):
-        """True on worker 0, which initialises the run and writes checkpoints."""
-        return self.extended._connection.is_chief
-
-    @property
-    def worker_index(self):
-        """This worker's rank among the training tasks (0 = chief)."""
-        return self.extended._connection.rank
-
-    @property
-    def num_workers(self):
-        return self.extended._connection.num_workers
-
-    @property
-    def cluster_config(self):
-        return self.extended._connection.config
+class ParameterServerStrategyBase(WorkerTasksMixin, tf.distribute.Strategy):
+    """Shared public surface of the tfdist parameter-server strategies (the chief also
+    initialises the run)."""
 
     def shard(self, *arrays):
         """This worker's contiguous share of each array (or `tf.data.Dataset`).

@@ -3,7 +3,9 @@
 The Keras logs of a parameter-server strategy already carry `global_step`,
 `dropped_gradients` and, for `AsyncStrategy`, `staleness_mean` / `staleness_max` (so Keras's
 own `TensorBoard` callback plots them). `TelemetryCallback` adds what a scalar log cannot
-hold: the staleness histogram, and the cluster-wide counters as the ps holds them.
+hold: the staleness histogram, and the cluster-wide counters as the ps holds them; for
+`StochasticGradientPushStrategy`, its gossip counters (`push_sum_weight`, `messages_late`,
+...) at the worker's own step.
 
 ```python
 callbacks = [tfdist.strategies.TelemetryCallback(strategy, "logs/tfdist")]
@@ -24,7 +26,8 @@ class TelemetryCallback(keras.callbacks.Callback):
     """Writes the ps telemetry (scalars and staleness histogram) at the global step.
 
     Args:
-      strategy: a tfdist parameter-server strategy (anything with `progress()`).
+      strategy: a tfdist parameter-server strategy (anything with `progress()`), or
+        `StochasticGradientPushStrategy` (its gossip counters, at the worker's own step).
       log_dir: TensorBoard log directory.
       every_n_batches: also write every n training batches (None: at epoch ends only).
     """
@@ -50,9 +53,11 @@ class TelemetryCallback(keras.callbacks.Callback):
         if self._writer is None:
             self._writer = tf.summary.create_file_writer(self.log_dir)
         progress = self.strategy.progress()
-        counts = np.asarray(progress["staleness_histogram"], np.int64)
-        with self._writer.as_default(step=int(progress["global_step"])):
-            for name in SCALARS:
+        counts = np.asarray(progress.get("staleness_histogram", []), np.int64)
+        # A gossip strategy has no global step: its scalars go at the worker's own step.
+        step = progress["global_step"] if "global_step" in progress else progress["step"]
+        with self._writer.as_default(step=int(step)):
+            for name in getattr(self.strategy, "telemetry_scalars", SCALARS):
                 tf.summary.scalar(f"tfdist/{name}", float(progress[name]))
             if counts.sum():
                 values = np.repeat(np.arange(len(counts), dtype=np.float32), counts)

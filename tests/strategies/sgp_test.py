@@ -1,0 +1,228 @@
+"""StochasticGradientPushStrategy: the graph schedule, arguments, and two cluster runs.
+
+The cluster runs (`sgp_program.py` through the launcher, 3 workers, each with its courier):
+overlap off, a fully connected graph then an irregular one (equal to all-reduce SGD step for
+step, push-sum mass conserved, one exact final average), and the default settings with a
+worker killed mid-run (the others fail with its name).
+"""
+
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import tensorflow as tf
+from absl.testing import parameterized
+
+import tfdist
+from tests.strategies import ps_program
+from tests.strategies import sgp_program
+from tests.strategies.ps_testing import cluster_log
+from tests.strategies.ps_testing import load_result
+from tests.strategies.ps_testing import make_cluster
+from tests.strategies.ps_testing import run_cluster
+from tests.strategies.ps_testing import wait_for_line
+from tfdist.cluster import ClusterConfig
+from tfdist.cluster import pick_free_ports
+from tfdist.gossip import protocol
+from tfdist.gossip.graphs import Schedule
+from tfdist.strategies.gossip import StochasticGradientPushStrategy
+
+PROGRAM = os.path.join(os.path.dirname(__file__), "sgp_program.py")
+
+
+class ScheduleTest(tf.test.TestCase, parameterized.TestCase):
+
+    def test_exponential_graph_cycles_through_powers_of_two(self):
+        schedule = Schedule("exponential", 1, 8)
+        self.assertEqual([schedule.out_peers(k, 0) for k in range(4)], [[1], [2], [4], [1]])
+        self.assertEqual([schedule.out_peers(k, 6) for k in range(3)], [[7], [0], [2]])
+        # 4 workers: hops 1 and 2; 5 workers: 1, 2 and 4.
+        self.assertEqual(Schedule("exponential", 1, 4).period, 2)
+        self.assertEqual(Schedule("exponential", 2, 5).out_peers(1, 0), [4, 1])
+
+    def test_ring(self):
+        self.assertEqual(Schedule("ring", 1, 4).out_peers(7, 3), [0])
+        self.assertEqual(Schedule("ring", 2, 4).out_peers(0, 1), [2, 3])
+
+    @parameterized.parameters(("exponential", 1, 8), ("exponential", 3, 8), ("ring", 2, 5))
+    def test_in_counts_mirror_out_peers(self, graph, peers, workers):
+        schedule = Schedule(graph, peers, workers)
+        for step in range(6):
+            received = sum(schedule.in_counts(step, rank) for rank in range(workers))
+            self.assertAllEqual(received, [peers] * workers)  # each sender's p messages
+            for rank in range(workers):
+                for sender in range(workers):
+                    self.assertEqual(schedule.in_counts(step, rank)[sender],
+                                     int(rank in schedule.out_peers(step, sender)))
+        if schedule.periodic:
+            out, counts = schedule.tables(2)
+            self.assertEqual(out.shape, (schedule.period, peers))
+            self.assertAllEqual(counts[-1], schedule.in_counts(schedule.period - 1, 2))
+
+    def test_callable_graph_is_checked_when_called(self):
+        schedule = Schedule(sgp_program.phased_graph, 2, 3)
+        self.assertEqual(schedule.out_peers(0, 1), [0, 2])
+        self.assertEqual(schedule.out_peers(sgp_program.SWITCH, 1), [0])  # hub 0 at step 6
+        self.assertAllEqual(schedule.padded_out_peers(sgp_program.SWITCH, 1), [0, -1])
+        self.assertAllEqual(schedule.in_counts(sgp_program.SWITCH, 0), [0, 1, 1])
+        for bad in ([1], [0, 0], [5], [], "x"):
+            schedule = Schedule(lambda step, rank, n, bad=bad: bad, 2, 3)
+            with self.assertRaisesRegex(ValueError, r"`graph` must return"):
+                schedule.out_peers(0, 1)
+
+
+class ArgumentsTest(tf.test.TestCase):
+
+    def _config(self, num_workers=4, num_ps=0, task=("worker", 0)):
+        ports = pick_free_ports(num_ps + num_workers)
+        return ClusterConfig.from_hosts(
+            ps_hosts=[f"localhost:{p}" for p in ports[:num_ps]],
+            worker_hosts=[f"localhost:{p}" for p in ports[num_ps:]], job_name=task[0],
+            task_index=task[1])
+
+    def test_errors_name_the_argument_the_allowed_values_and_what_was_received(self):
+        config = self._config()
+        cases = [
+            (dict(peers_per_step=5),
+             r"`peers_per_step` must be between 1 and num_workers-1=3\. Received: 5"),
+            (dict(peers_per_step=0), r"between 1 and num_workers-1=3\. Received: 0"),
+            (dict(peers_per_step=1.0), r"`peers_per_step` must be an integer\. Received: 1.0"),
+            (dict(peers_per_step=3),
+             r"between 1 and 2 with graph='exponential' and 4 workers: its out-peers are "
+             r"i \+ \[1, 2\].*Received: 3"),
+            (dict(graph="star"), r"`graph` must be one of \['exponential', 'ring'\] or a "
+                                 r"callable.*Received: 'star'"),
+            (dict(overlap="yes"), r"`overlap` must be True or False\. Received: 'yes'"),
+            (dict(final_average=1), r"`final_average` must be True or False"),
+            (dict(max_delay=0), r"`max_delay` must be an integer >= 1.*Received: 0"),
+            (dict(overlap=False, max_delay=2), r"with overlap=False every message is taken at "
+                                               r"the step it was sent.*max_delay=2"),
+            (dict(connect_timeout=0), r"`connect_timeout` must be a positive number"),
+            (dict(peer_timeout=-1), r"`peer_timeout` must be a positive number"),
+            (dict(inter_op_threads=0), r"`inter_op_threads` must be an integer >= 1"),
+        ]
+        for kwargs, message in cases:
+            with self.subTest(**{k: repr(v) for k, v in kwargs.items()}):
+                with self.assertRaisesRegex(ValueError, message):
+                    StochasticGradientPushStrategy(cluster=config, **kwargs)
+
+    def test_cluster_errors(self):
+        with self.assertRaisesRegex(ValueError, r"needs at least 2 workers.*num_workers=1"):
+            StochasticGradientPushStrategy(cluster=self._config(num_workers=1))
+        with self.assertRaisesRegex(ValueError, r"no parameter server.*--num_ps=0.*1 ps"):
+            StochasticGradientPushStrategy(cluster=self._config(num_ps=1))
+        with self.assertRaisesRegex(ValueError, r"runs in `chief` or `worker` tasks"):
+            StochasticGradientPushStrategy(
+                cluster=self._config(num_ps=1, task=("ps", 0)))
+
+    def test_registry_and_flags(self):
+        self.assertIn("sgp", tfdist.strategies.names())
+        with self.assertRaisesRegex(ValueError, r"`peers_per_step` must be between 1 and "
+                                                r"num_workers-1=3\. Received: 4"):
+            tfdist.strategies.get("sgp", cluster=self._config(), peers_per_step=4)
+        self.assertEqual(tfdist.strategies.parse_strategy_args(
+            ["graph=ring", "overlap=False", "peers_per_step=2"]),
+            {"graph": "ring", "overlap": False, "peers_per_step": 2})
+
+    def test_shard_gives_every_worker_the_same_rows(self):
+        class Fake:
+            num_workers, worker_index = 3, 2
+
+        x = np.arange(10)
+        self.assertAllEqual(StochasticGradientPushStrategy.shard(Fake(), x), [6, 7, 8])
+        Fake.worker_index = 0
+        a, b = StochasticGradientPushStrategy.shard(Fake(), x, -x)
+        self.assertAllEqual(b, [0, -1, -2])
+
+    def test_message_round_trip(self):
+        message = protocol.pack(2 ** 40 + 3, 5, -7, 0.25, tf.constant([1.5, -2.0]))
+        tags, ranks, infos, weights, values = protocol.unpack(message[None])
+        self.assertEqual([int(tags[0]), int(ranks[0]), int(infos[0])], [2 ** 40 + 3, 5, -7])
+        self.assertAllEqual(weights, [0.25])
+        self.assertAllEqual(values, [[1.5, -2.0]])
+
+
+class ClusterTest(tf.test.TestCase):
+
+    def test_connected_graph_equals_all_reduce_and_push_sum_mass_is_conserved(self):
+        # About 45 s (3 workers and their couriers starting on 2 cores). Overlap off. The
+        # first fit, fully connected with plain SGD, is all-reduce SGD: each worker's
+        # weights equal one process's on the three workers' batches taken together. The
+        # second, on an irregular graph, moves the push-sum weights away from 1 while their
+        # sum stays 3 at every epoch end (every message of a step is taken at that step).
+        # Worker 0 takes a 13th step alone (the others' end markers come instead of their
+        # messages); `join` then averages the models once, all the mass kept (sum of w = 3):
+        # the same bits on every worker.
+        out = self.get_temp_dir()
+        cluster, result = run_cluster(out, 3, "--strategy=sgp", "--epochs=2",
+                                      "--sgp_scenario=equivalence", num_ps=0, program=PROGRAM)
+        self.assertEqual(result.returncode, 0, cluster_log(cluster))
+        workers = [load_result(out, f"worker{r}.json") for r in range(3)]
+        reference = one_process_reference(workers[0]["initial"], epochs=2)
+        for rank, worker in enumerate(workers):
+            self.assertEqual(worker["devices"], [f"/job:worker/replica:0/task:{rank}/"
+                                                 "device:CPU:0"])
+            for got, want in zip(worker["connected"], reference):
+                self.assertAllClose(np.array(got), want, rtol=1e-5, atol=1e-6)
+            self.assertAllClose(worker["first"]["push_sum_weight"], [1.0, 1.0])
+            self.assertEqual(worker["progress"]["messages_late"], 0)
+            self.assertEqual(worker["progress"]["message_delay_max"], 0)
+            # 6 x 2 + 6 x 1 in the steps; worker 1 takes worker 0's 13th-step message (hub 0
+            # sends to 1) in its join.
+            self.assertEqual(worker["before_join"]["messages_received"], 18)
+            # 6 steps to 2 peers, 6 (worker 0: 7) to 1; 4 bytes x (7 head words + 178
+            # parameters) each.
+            self.assertEqual(worker["progress"]["bytes_sent"],
+                             (19 if rank == 0 else 18) * 4 * (7 + 178))
+            self.assertEqual(worker["progress"]["peer_steps"],
+                             [None if r == rank else 13 if r == 0 else 12 for r in range(3)])
+            self.assertAllClose(worker["progress"]["final_weight_sum"], 3.0, rtol=1e-6)
+            for got, want in zip(worker["final"], workers[0]["final"]):
+                self.assertAllEqual(got, want)
+            self.assertIn("has left the run", worker["fit_after_join"])
+        weights = np.array([w["second"]["push_sum_weight"] for w in workers])
+        self.assertAllClose(weights.sum(axis=0), [3.0, 3.0], rtol=1e-6)
+        self.assertGreater(np.abs(weights - 1).max(), 0.2, weights)
+
+    def test_a_killed_worker_is_named_and_no_peer_hangs(self):
+        # About 40 s. The default settings (overlap, exponential graph: with 3 workers every
+        # worker hears from both others); worker 1 is killed after an epoch.
+        out = self.get_temp_dir()
+        with make_cluster(out, 3, "--strategy=sgp", "--epochs=400", "--sgp_scenario=long",
+                          "--strategy_arg=peer_timeout=2", num_ps=0, program=PROGRAM,
+                          stop_on_failure=False) as cluster:
+            wait_for_line(cluster, "READY")
+            killed_at = time.monotonic()
+            os.kill(cluster.pid("worker:1"), signal.SIGKILL)
+            result = cluster.wait()
+            elapsed = time.monotonic() - killed_at
+        self.assertEqual(result.failed_task, "worker:1")
+        self.assertLess(elapsed, 60, "the survivors should fail within seconds, not hang")
+        for rank in (0, 2):
+            self.assertNotEqual(result.task_returncodes[f"worker:{rank}"], 0)
+            lines = "\n".join(line for name, line in cluster.lines if name == f"worker:{rank}")
+            self.assertRegex(lines, r"/job:worker/task:1 at localhost:\d+ stopped answering",
+                             cluster_log(cluster))
+        ready = [line for _, line in cluster.lines if line.startswith("READY ")]
+        logs = json.loads(ready[0][len("READY "):])
+        self.assertLessEqual(logs["message_delay_max"], 1)  # max_delay
+        self.assertIn("push_sum_weight", logs)
+
+
+def one_process_reference(initial, epochs):
+    """One process, SGD, each batch made of the three workers' batch j."""
+    x, y = ps_program.data()
+    rows, batch = ps_program.ROWS // 3, sgp_program.BATCH
+    order = np.concatenate([np.r_[r * rows + j * batch:r * rows + (j + 1) * batch]
+                            for j in range(rows // batch) for r in range(3)])
+    model = ps_program.build_model("sgd")
+    model.set_weights([np.array(w, "float32") for w in initial])
+    model.fit(x[order], y[order], batch_size=3 * batch, epochs=epochs, shuffle=False,
+              verbose=0)
+    return model.get_weights()
+
+
+if __name__ == "__main__":
+    tf.test.main()

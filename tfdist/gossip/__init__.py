@@ -1,0 +1,1 @@
+"""Stochastic Gradient Push runtime: graph schedules, messages, the courier."""

@@ -1,0 +1,129 @@
+"""Who sends to whom at each step of Stochastic Gradient Push: the communication graph.
+
+A schedule answers two questions for a step k: the out-peers of a worker (where its shares go)
+and, for a receiving worker, how many messages each other worker sends it at k. Built-in
+graphs are periodic in k and are answered from tables inside the training step; a user's
+callable is called from the step through `tf.py_function`.
+
+>>> schedule = make_schedule("exponential", peers_per_step=1, num_workers=8)
+>>> [schedule.out_peers(k, rank=0) for k in range(4)]
+[[1], [2], [4], [1]]
+"""
+
+import math
+
+import numpy as np
+
+GRAPHS = ("exponential", "ring")
+
+
+def exponential_offsets(num_workers):
+    """The hops of the directed exponential graph: 1, 2, 4, ... below `num_workers`."""
+    return [2 ** j for j in range(max(1, math.ceil(math.log2(num_workers))))]
+
+
+def max_peers(graph, num_workers):
+    """How many distinct out-peers a worker of `graph` can have in one step."""
+    if graph == "exponential":
+        return min(len(exponential_offsets(num_workers)), num_workers - 1)
+    return num_workers - 1
+
+
+def check_graph(graph, peers_per_step, num_workers):
+    """Checks `graph` and `peers_per_step` for a cluster of `num_workers`, with errors that
+    name the argument, the allowed values and what was received."""
+    if not callable(graph) and graph not in GRAPHS:
+        raise ValueError(f"`graph` must be one of {list(GRAPHS)} or a callable "
+                         f"`(step, rank, num_workers) -> out-peers`. Received: {graph!r}")
+    if num_workers < 2:
+        raise ValueError(f"Stochastic Gradient Push needs at least 2 workers (training tasks); "
+                         f"the cluster has num_workers={num_workers}")
+    if isinstance(peers_per_step, bool) or not isinstance(peers_per_step, int):
+        raise ValueError(f"`peers_per_step` must be an integer. Received: {peers_per_step!r}")
+    if not 1 <= peers_per_step <= num_workers - 1:
+        raise ValueError(f"`peers_per_step` must be between 1 and num_workers-1="
+                         f"{num_workers - 1}. Received: {peers_per_step}")
+    if graph == "exponential" and peers_per_step > max_peers(graph, num_workers):
+        hops = exponential_offsets(num_workers)
+        raise ValueError(
+            f"`peers_per_step` must be between 1 and {len(hops)} with graph='exponential' and "
+            f"{num_workers} workers: its out-peers are i + {hops} (mod {num_workers}). "
+            f"Received: {peers_per_step}. A callable graph can name any peers")
+
+
+class Schedule:
+    """The out-peers and in-counts of every worker at every step.
+
+    Args:
+      graph: "exponential" (at step k worker i sends to i + 2^((k p + t) mod L), t < p, with
+        L = ceil(log2 M) hops: the time-varying directed exponential graph of the paper),
+        "ring" (i sends to i + 1, ..., i + p at every step), or a callable
+        `(step, rank, num_workers) -> list of out-peers` giving between 1 and
+        `peers_per_step` distinct ranks other than `rank` (a worker with p out-peers at a
+        step keeps 1/(p+1) of its parameters and weight and sends 1/(p+1) to each).
+      peers_per_step: p, out-peers per step (a callable graph's most).
+      num_workers: M.
+    """
+
+    def __init__(self, graph, peers_per_step, num_workers):
+        check_graph(graph, peers_per_step, num_workers)
+        self.graph = graph
+        self.peers_per_step = peers_per_step
+        self.num_workers = num_workers
+        if graph == "exponential":
+            hops = exponential_offsets(num_workers)
+            # Step k uses the hops (k p + t) mod L: the table repeats after L steps.
+            self.period = len(hops)
+            self._hops = [[hops[(k * peers_per_step + t) % len(hops)]
+                           for t in range(peers_per_step)] for k in range(self.period)]
+        elif graph == "ring":
+            self.period = 1
+            self._hops = [list(range(1, peers_per_step + 1))]
+        else:
+            self.period = None
+
+    @property
+    def periodic(self):
+        return self.period is not None
+
+    def out_peers(self, step, rank):
+        """The ranks `rank` sends to at `step` (checked when the graph is a callable)."""
+        if self.periodic:
+            return [(rank + hop) % self.num_workers for hop in self._hops[step % self.period]]
+        peers = self.graph(int(step), int(rank), self.num_workers)
+        try:
+            peers = [int(p) for p in peers]
+        except (TypeError, ValueError):
+            raise ValueError(f"`graph` must return a list of ranks. Received {peers!r} for "
+                             f"step={step}, rank={rank}") from None
+        if (not 1 <= len(peers) <= self.peers_per_step or len(set(peers)) != len(peers)
+                or rank in peers or not all(0 <= p < self.num_workers for p in peers)):
+            raise ValueError(
+                f"`graph` must return between 1 and peers_per_step={self.peers_per_step} "
+                f"distinct ranks between 0 and {self.num_workers - 1} other than the "
+                f"sender's. Received "
+                f"{peers} for step={step}, rank={rank}")
+        return peers
+
+    def in_counts(self, step, rank):
+        """`[M]` int64: how many messages each worker sends to `rank` at `step` (0 or 1)."""
+        counts = np.zeros([self.num_workers], np.int64)
+        for sender in range(self.num_workers):
+            if sender != rank and rank in self.out_peers(step, sender):
+                counts[sender] += 1
+        return counts
+
+    def padded_out_peers(self, step, rank):
+        """`out_peers` as int32 `[peers_per_step]`, -1 after the last peer."""
+        peers = self.out_peers(step, rank)
+        return np.array(peers + [-1] * (self.peers_per_step - len(peers)), np.int32)
+
+    def tables(self, rank):
+        """`(out_peers [period, p], in_counts [period, M])` of `rank`, for periodic graphs."""
+        out = np.array([self.out_peers(k, rank) for k in range(self.period)], np.int32)
+        counts = np.stack([self.in_counts(k, rank) for k in range(self.period)])
+        return out, counts
+
+
+def make_schedule(graph, peers_per_step, num_workers):
+    return Schedule(graph, peers_per_step, num_workers)

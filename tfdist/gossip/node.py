@@ -1,0 +1,228 @@
+"""A Stochastic Gradient Push worker's side of the wire: its server, queues, courier, watcher.
+
+The worker's TF server is started through its own eager context, knowing only its own task
+(as a ps task's is, `tfdist.launch.server`): it hosts the worker's `outbox` and one `inbox` per
+peer, and peers' couriers enqueue there. Its courier (`tfdist.gossip.courier`) is a child
+process that forwards the outbox. A watcher thread checks that every peer still accepts
+connections; one that has refused them for `peer_timeout` seconds (or a dead courier) is
+reported with a `DEAD` message in every inbox, so that a step or a `join` waiting for a
+message fails with the peer's name instead of waiting for ever.
+"""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.cluster import is_listening
+from tfdist.cluster import pick_free_ports
+from tfdist.cluster import wait_for_tasks
+from tfdist.gossip import protocol
+from tfdist.ps.connection import compute_device
+
+log = logging.getLogger("tfdist")
+
+_started = []  # one node per process: a process has one eager context and one server
+
+
+class PeerError(RuntimeError):
+    """A peer stopped answering, or sent what has no place where it came."""
+
+
+def _die_with_parent(parent):
+    from tfdist.launch.local import _die_with
+
+    return lambda: _die_with(parent)
+
+
+class GossipNode:
+    """This worker's server, queues and courier.
+
+    Args:
+      config: the cluster's `ClusterConfig` (this task a chief or worker).
+      connect_timeout: seconds the peers get to start listening.
+      peer_timeout: seconds a peer may refuse connections before it is taken for dead.
+      inter_op_threads: inter-op threads of this worker's TF executor, besides the one its
+        courier's waiting dequeue holds.
+    """
+
+    def __init__(self, config, connect_timeout, peer_timeout, inter_op_threads):
+        if _started:
+            raise ValueError("this process already runs a StochasticGradientPushStrategy: a "
+                             "process has one TF server, and trains in one SGP run")
+        self.config = config
+        self.rank = config.worker_rank
+        self.is_chief = config.is_chief
+        tasks = config.training_tasks
+        self.num_workers = len(tasks)
+        self.names = [f"/job:{job}/task:{i}" for job, i in tasks]
+        self.addresses = [config.address(job, i) for job, i in tasks]
+        self.task_name = self.names[self.rank]
+        self.host_device = protocol.task_device(tasks[self.rank])
+        self.compute_device = compute_device(config.task_type, config.task_index)
+        self.peer_timeout = peer_timeout
+        self._start_server(inter_op_threads)
+        _started.append(self)
+        port = pick_free_ports(1)[0]
+        spec = {"tf_config": config.to_dict(), "port": port, "connect_timeout": connect_timeout}
+        env = dict(os.environ, TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE="False")
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        self.courier = subprocess.Popen(
+            [sys.executable, "-m", "tfdist.gossip.courier", json.dumps(spec)], env=env,
+            preexec_fn=_die_with_parent(os.getpid()))
+        self.outbox = protocol.outbox_queue(self.host_device)
+        wait_for_tasks({n: a for r, (n, a) in enumerate(zip(self.names, self.addresses))
+                        if r != self.rank}, timeout=connect_timeout)
+        self.size = None
+        self.inboxes = None
+        self.expected = set(range(self.num_workers)) - {self.rank}  # peers watched
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.reported = None  # the rank reported dead, if any
+        self._watcher = None
+
+    def _start_server(self, threads):
+        from tensorflow.python.eager import context
+
+        config = self.config
+        try:
+            tf.config.threading.set_inter_op_parallelism_threads(threads + 1)
+        except RuntimeError:
+            log.info("tfdist: TensorFlow already started; inter_op_threads=%s not applied",
+                     threads)
+        spec = tf.train.ClusterSpec({config.task_type: {config.task_index:
+                                                        config.task_address}})
+        tf.config.experimental_connect_to_cluster(
+            spec, job_name=config.task_type, task_index=config.task_index,
+            protocol=config.rpc_layer or "grpc", make_master_device_default=False)
+        context.context().ensure_initialized()
+
+    # Queues ----------------------------------------------------------------------------
+
+    def open_inboxes(self, size):
+        """Creates the inboxes for messages of `size` floats; starts the watcher."""
+        if self.size is not None:
+            if size != self.size:
+                raise ValueError(f"the gossiped variables changed size ({self.size - protocol.HEAD}"
+                                 f" -> {size - protocol.HEAD} values): every step of a run "
+                                 "must train the same variables")
+            return
+        with tf.init_scope():
+            self.inboxes = {s: protocol.inbox_queue(self.host_device, s, size)
+                            for s in range(self.num_workers) if s != self.rank}
+        self.size = size
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="sgp-watcher")
+        self._watcher.start()
+
+    def send(self, peers, message):
+        """Puts `(peers, message)` in the outbox (in-graph or eagerly)."""
+        with tf.device(self.host_device):
+            return tf.raw_ops.QueueEnqueueV2(handle=self.outbox,
+                                             components=[tf.cast(peers, tf.int32), message])
+
+    def take(self, needed, greedy, skip):
+        """Takes, from each sender s, `needed[s]` messages (waiting for them), and with
+        `greedy` also every message already there; nothing from a sender whose `skip[s]`.
+        In-graph.
+
+        Returns `(messages [n, L], senders [n], waited)`: `waited` is True when a message
+        had not arrived yet.
+        """
+        parts, senders, waited = [], [], []
+        with tf.device(self.host_device):
+            for sender, queue in self.inboxes.items():
+                need = needed[sender]
+                size = tf.cast(tf.raw_ops.QueueSizeV2(handle=queue), tf.int64)
+                count = tf.maximum(need, size) if greedy else need
+                count = tf.where(skip[sender], tf.constant(0, tf.int64), count)
+                waited.append(count > size)
+                messages = tf.raw_ops.QueueDequeueManyV2(
+                    handle=queue, n=tf.cast(count, tf.int32), component_types=[tf.float32])[0]
+                parts.append(messages)
+                senders.append(tf.fill([count], tf.constant(sender, tf.int64)))
+            any_waited = tf.reduce_any(tf.stack(waited))
+            return tf.concat(parts, 0), tf.concat(senders, 0), any_waited
+
+    def take_one(self, sender):
+        """The next message from `sender` (eagerly, waiting for it): `(tag, info, w, x)`."""
+        with tf.init_scope(), tf.device(self.host_device):
+            message = tf.raw_ops.QueueDequeueV2(handle=self.inboxes[sender],
+                                                component_types=[tf.float32])[0]
+            tags, _, infos, weights, values = protocol.unpack(message[None])
+        return int(tags[0]), int(infos[0]), weights[0], values[0]
+
+    def available(self, sender):
+        with tf.init_scope(), tf.device(self.host_device):
+            return int(tf.raw_ops.QueueSizeV2(handle=self.inboxes[sender]))
+
+    # Peers' liveness ---------------------------------------------------------------------
+
+    def dead_message(self, dead):
+        """What a step or `join` says when `dead` (a rank, or `num_workers`: the courier)
+        stopped answering."""
+        if dead == self.num_workers:
+            return (f"tfdist: the courier of {self.task_name} (the process that carries its "
+                    "messages to its peers) exited; Stochastic Gradient Push cannot go on")
+        return (f"tfdist: {self.names[dead]} at {self.addresses[dead]} stopped answering: its "
+                f"messages cannot reach {self.task_name}, and Stochastic Gradient Push cannot "
+                "go on without them. Restart the job")
+
+    def done_with(self, sender):
+        """Stops watching `sender`: every message it will send here has been taken."""
+        with self._lock:
+            self.expected.discard(sender)
+
+    def _watch(self):
+        down_since = {}
+        while not self._stop.wait(0.5):
+            if self.courier.poll() is not None:
+                self._report(self.num_workers)
+                return
+            with self._lock:
+                peers = sorted(self.expected)
+            now = time.monotonic()
+            for peer in peers:
+                if is_listening(self.addresses[peer], timeout=0.5):
+                    down_since.pop(peer, None)
+                    continue
+                if now - down_since.setdefault(peer, now) >= self.peer_timeout:
+                    with self._lock:
+                        still_expected = peer in self.expected
+                    if still_expected:
+                        self._report(peer)
+                        return
+
+    def _report(self, dead):
+        self.reported = dead
+        log.error("%s", self.dead_message(dead))
+        poison = protocol.control(protocol.DEAD, self.rank, dead, self.size)
+        for queue in self.inboxes.values():
+            with tf.device(self.host_device):
+                tf.raw_ops.QueueEnqueueV2(handle=queue, components=[poison])
+
+    # Ending ------------------------------------------------------------------------------
+
+    def stop(self, timeout=60.0):
+        """Stops the watcher, then lets the courier deliver what is in the outbox and exit."""
+        self._stop.set()
+        if self.courier.poll() is None:
+            try:
+                with tf.init_scope():
+                    self.send(tf.constant([protocol.STOP]), tf.zeros([protocol.HEAD]))
+                self.courier.wait(timeout)
+            except (tf.errors.OpError, subprocess.TimeoutExpired):
+                log.warning("tfdist: the courier of %s did not finish within %g s",
+                            self.task_name, timeout)
+                self.courier.kill()
+
+
+def sum_in_rank_order(values):
+    """`sum(values)` in float64, in the order given: the same bits on every worker."""
+    return np.sum(np.stack([np.asarray(v, np.float64) for v in values]), axis=0)
+

@@ -1,0 +1,76 @@
+"""What Stochastic Gradient Push workers send each other: queues, message layout, tags.
+
+Every worker's TF server holds, in container `tfdistsgp`:
+
+* `outbox`: what the worker's courier forwards (`tfdist.gossip.courier`), entries
+  `(out-peers int32 [p], message float32 [L])`;
+* `inbox/{sender}`: one FIFO queue per other worker, messages float32 `[L]`. A sender's
+  messages arrive in the order it sent them, so a receiver knows which step each one is from.
+
+A message is one float32 vector (one tensor per message: the per-message overhead, not the
+bytes, dominates a small model): three int64 words as the float32 pairs of their bits (`tag`,
+the sender's `rank`, an `info` word), the push-sum weight share, then the parameter shares.
+A tag >= 0 is the sender's step; negative tags are control messages.
+"""
+
+import tensorflow as tf
+
+from tfdist.ps.protocol import floats_as_ints
+from tfdist.ps.protocol import ints_as_floats
+
+CONTAINER = "tfdistsgp"
+OUTBOX = "outbox"
+
+# Control tags. DEAD: `info` is the rank that stopped answering (or COURIER); END: the sender
+# took its last training step, `info` is how many it took; AVERAGE: the sender's (x, w) after
+# it took every message sent to it, for the final average; STOP: the courier's last entry.
+DEAD, END, AVERAGE, STOP = -2, -3, -4, -5
+HEAD = 7  # 3 int64 words (6 floats) and the weight
+WEIGHT = 6
+
+
+def inbox_name(sender):
+    return f"inbox/{sender}"
+
+
+def task_device(task, kind="CPU"):
+    """`/job:worker/replica:0/task:2/device:CPU:0` of a task named `(job, index)`."""
+    job, index = task
+    return f"/job:{job}/replica:0/task:{index}/device:{kind}:0"
+
+
+def message_size(num_values):
+    return HEAD + num_values
+
+
+def inbox_queue(device, sender, size):
+    """The handle of the inbox of the worker on `device` for messages from `sender`."""
+    with tf.device(device):
+        return tf.raw_ops.FIFOQueueV2(component_types=[tf.float32], shapes=[[size]],
+                                      capacity=-1, container=CONTAINER,
+                                      shared_name=inbox_name(sender))
+
+
+def outbox_queue(device):
+    with tf.device(device):
+        return tf.raw_ops.FIFOQueueV2(component_types=[tf.int32, tf.float32], shapes=[],
+                                      capacity=-1, container=CONTAINER, shared_name=OUTBOX)
+
+
+def pack(tag, rank, info, weight, values):
+    """One message: float32 `[HEAD + n]`."""
+    head = ints_as_floats(tf.stack([tf.cast(tag, tf.int64), tf.cast(rank, tf.int64),
+                                    tf.cast(info, tf.int64)]))
+    return tf.concat([head, tf.reshape(tf.cast(weight, tf.float32), [1]),
+                      tf.reshape(values, [-1])], axis=0)
+
+
+def unpack(messages):
+    """`(tags, ranks, infos, weights, values)` of float32 messages `[n, L]`."""
+    words = tf.reshape(floats_as_ints(messages[:, :6]), [-1, 3])
+    return words[:, 0], words[:, 1], words[:, 2], messages[:, WEIGHT], messages[:, HEAD:]
+
+
+def control(tag, rank, info, size):
+    """A control message of `size` floats (values zero)."""
+    return pack(tag, rank, info, 0.0, tf.zeros([size - HEAD], tf.float32))
