@@ -81,7 +81,7 @@ class ManifestTest(tf.test.TestCase, parameterized.TestCase):
                           ps_job["parallelism"], ps_job["backoffLimit"]), ("Indexed", 2, 2, 0))
         self.assertEqual(ps_job["template"]["spec"]["subdomain"], "digits-ps")
         ps = ps_job["template"]["spec"]["containers"][0]
-        self.assertContainsSubset(["--job_name=ps", "--exit_after_workers_gone=120",
+        self.assertContainsSubset(["--job_name=ps", "--exit_after_workers_gone=660",
                                    "--connect_timeout=600", "--num_ps=2", "--num_workers=3"],
                                   ps["command"])
         self.assertEqual(ps["resources"]["limits"], {"cpu": "500m", "memory": "4Gi"})
@@ -254,6 +254,8 @@ class ManifestTest(tf.test.TestCase, parameterized.TestCase):
         ("root", {"run_as_user": 0}, r"`run_as_user` must be a user id >= 1.*Received: 0"),
         ("tfjob_max_failed", {"kind": "tfjob", "max_failed_workers": 1},
          "`max_failed_workers` is a Job field"),
+        ("too_many_failed", {"max_failed_workers": 9},
+         r"`max_failed_workers` must be at most num_workers=2.*Received: 9"),
     )
     def test_bad_arguments(self, overrides, message):
         kwargs = {"name": "digits", "image": "me/train:1", "command": ["python", "t.py"]}

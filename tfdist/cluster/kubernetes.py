@@ -24,7 +24,10 @@ _DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 CONNECT_TIMEOUT = 600.0
 # Seconds a ps pod serves on after the last worker stopped listening: a worker pod being
 # restarted by its Job is back well within it.
-WORKERS_GONE_GRACE = 120.0
+# Longer than a worker's connect timeout (600 s): workers that all restart at once (a hard-sync
+# run fails on every worker when one dies, a drained node held them all) may take that long,
+# with image pulls and back-off, to listen again; the ps must still be there.
+WORKERS_GONE_GRACE = 660.0
 
 
 def check_job_name(name):

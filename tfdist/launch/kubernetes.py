@@ -202,6 +202,10 @@ def manifests(name, image, command, num_ps=1, num_workers=2, namespace="default"
     _check_seconds("exit_after_workers_gone", exit_after_workers_gone)
     _check_count("worker_retries", worker_retries, 0)
     _check_count("max_failed_workers", max_failed_workers, 0, allow_none=True)
+    if max_failed_workers is not None and max_failed_workers > num_workers:
+        raise ValueError(f"`max_failed_workers` must be at most num_workers={num_workers} "
+                         f"(Kubernetes refuses maxFailedIndexes > completions). Received: "
+                         f"{max_failed_workers}")
     if max_failed_workers is not None and kind == "tfjob":
         raise ValueError("`max_failed_workers` is a Job field (maxFailedIndexes): the plain "
                          "kind only. Received: kind='tfjob'")

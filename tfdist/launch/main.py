@@ -86,7 +86,7 @@ flags.DEFINE_bool("from_tf_config", False,
 flags.DEFINE_bool("kubernetes", False,
                   "Inside a pod of tfdist's plain manifests: derive TF_CONFIG from the pod's "
                   "index, --name, --namespace, --port, --num_ps and --num_workers; "
-                  "--connect_timeout defaults to 600 and --exit_after_workers_gone to 120.")
+                  "--connect_timeout defaults to 600 and --exit_after_workers_gone to 660.")
 flags.DEFINE_string("kubernetes_manifest", None,
                     "Write the Kubernetes manifests of this job to this file ('-': stdout) "
                     "and exit; uses --image, --k8s_kind, --name, --namespace, --port, "
@@ -130,7 +130,7 @@ flags.DEFINE_float("connect_timeout", None,
                    "manifests (image pulls), else unset (the strategies' 30 and 60 s).")
 flags.DEFINE_float("exit_after_workers_gone", None,
                    "ps tasks: exit once every worker has listened and then none has for this "
-                   "many seconds, so that a Kubernetes job ends by itself. Default: 120 with "
+                   "many seconds, so that a Kubernetes job ends by itself. Default: 660 with "
                    "--kubernetes and in manifests, else serve until SIGTERM.")
 
 

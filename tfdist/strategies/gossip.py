@@ -22,6 +22,8 @@ import tensorflow as tf
 
 from tfdist import _tf_compat
 from tfdist.cluster import as_cluster_config
+from tfdist.cluster.network import CONNECT_TIMEOUT_ENV
+from tfdist.cluster.network import timeout_from_env
 from tfdist.gossip import protocol
 from tfdist.gossip.graphs import Schedule
 from tfdist.gossip.node import GossipNode
@@ -64,7 +66,7 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
     """The engine of `StochasticGradientPushStrategy` (one replica per worker process)."""
 
     def __init__(self, container_strategy, graph="exponential", peers_per_step=1, overlap=True,
-                 max_delay=1, final_average=True, cluster=None, connect_timeout=60.0,
+                 max_delay=1, final_average=True, cluster=None, connect_timeout=None,
                  peer_timeout=10.0, inter_op_threads=1):
         config = as_cluster_config(cluster)
         if config.task_type not in ("chief", "worker"):
@@ -77,6 +79,8 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
         num_workers = config.num_workers
         self._schedule = check_arguments(graph, peers_per_step, overlap, max_delay,
                                          final_average, num_workers)
+        if connect_timeout is None:  # tfdist-launch --kubernetes exports a longer one
+            connect_timeout = timeout_from_env(CONNECT_TIMEOUT_ENV, 60.0)
         for name, value in (("connect_timeout", connect_timeout),
                             ("peer_timeout", peer_timeout)):
             _check_positive(name, value)
@@ -448,7 +452,8 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
         weights.
       cluster: a `tfdist.cluster.ClusterConfig`, TF_CONFIG dict / JSON, a cluster resolver,
         or None to read TF_CONFIG. Chief and worker tasks only (`--num_ps=0`).
-      connect_timeout: seconds the peers get to start listening.
+      connect_timeout: seconds the peers get to start listening (None: the
+        `TFDIST_CONNECT_TIMEOUT` that `tfdist-launch` exports, else 60).
       peer_timeout: seconds a peer may refuse connections before it is taken for dead: a
         step (or `join`) waiting for its messages then fails with an error naming it.
       inter_op_threads: inter-op threads of this worker's TF executor (one more is added
@@ -461,7 +466,7 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
     """
 
     def __init__(self, graph="exponential", peers_per_step=1, overlap=True, max_delay=1,
-                 final_average=True, cluster=None, connect_timeout=60.0, peer_timeout=10.0,
+                 final_average=True, cluster=None, connect_timeout=None, peer_timeout=10.0,
                  inter_op_threads=1):
         super().__init__(StochasticGradientPushExtended(
             self, graph=graph, peers_per_step=peers_per_step, overlap=overlap,
