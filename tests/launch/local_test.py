@@ -19,6 +19,17 @@ from tfdist.launch import LocalCluster
 RUN_TIMEOUT = 60
 
 
+def _state(pid):
+    """A process's state and where in the kernel it waits, for failure messages."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().split(")")[-1].split()[0]
+        with open(f"/proc/{pid}/wchan") as f:
+            return f"state {state}, waiting in {f.read() or '-'}"
+    except OSError as e:
+        return f"unreadable: {e}"
+
+
 def _alive(pid):
     try:
         os.kill(pid, 0)
@@ -312,7 +323,9 @@ class LauncherCliTest(tf.test.TestCase):
             while time.monotonic() < deadline and (any(_alive(pid) for pid in tasks)
                                                    or is_listening(ps_address)):
                 time.sleep(0.1)
-            self.assertFalse([pid for pid in tasks if _alive(pid)], "a task outlived it")
+            survivors = [f"{'worker' if pid == worker else 'ps'} {pid} ({_state(pid)})"
+                         for pid in tasks if _alive(pid)]
+            self.assertFalse(survivors, "a task outlived its launcher")
             self.assertFalse(is_listening(ps_address), f"{ps_address} still listens")
         finally:
             if process.poll() is None:

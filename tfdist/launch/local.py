@@ -70,14 +70,19 @@ class LocalClusterResult:
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with(parent):
-    """For `preexec_fn`: the child is sent SIGTERM when its launcher dies, however it dies
+def _die_with(parent, sig=signal.SIGTERM):
+    """For `preexec_fn`: the child is sent `sig` when its launcher dies, however it dies
     (Linux's parent-death signal: an OOM kill or `kill -9` of the launcher leaves no task
     behind), and exits at once if the launcher is already gone. The signal follows the
-    launcher's thread that started the task: start clusters from a thread that lives on."""
+    launcher's thread that started the task: start clusters from a thread that lives on.
+
+    A ps task gets SIGKILL: it has nothing to save, and its SIGTERM handler is Python code,
+    which runs only once the main thread is back from TensorFlow's C++ (a ps still starting
+    its runtime when the launcher died could outlive it). A worker gets SIGTERM, which its
+    program may handle to save its work."""
     libc = ctypes.CDLL(None, use_errno=True)
     if hasattr(libc, "prctl"):
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent:
         os._exit(1)
 
@@ -227,9 +232,10 @@ class LocalCluster:
         env.update(self.env)
         env["TF_CONFIG"] = config.to_json()
         network, launcher = self.network, os.getpid()
+        death_signal = signal.SIGKILL if config.task_type == "ps" else signal.SIGTERM
 
         def preexec():
-            _die_with(launcher)
+            _die_with(launcher, death_signal)
             if network is not None:
                 network.enter_in_child()
 
