@@ -113,11 +113,13 @@ def main(argv):
         "network": "one private namespace, loopback limited by tc tbf (shared by all tasks)",
         "settings": SETTINGS, "machine": "2 cores shared by every task"})
     if "timing" in FLAGS.parts:
-        timing = {}
+        # A run replaces the settings (bandwidth, N) it measures and keeps the others: each
+        # row's ratios come from one run, and `--workers=8` can be added to a 2/4 run.
+        timing = dict(results.get("timing", {}))
         first = (FLAGS.bandwidths[0], int(FLAGS.workers[0]))
         for bandwidth in FLAGS.bandwidths:
             for workers in map(int, FLAGS.workers):
-                row = timing.setdefault(f"{bandwidth}, N={workers}", {})
+                row = timing[f"{bandwidth}, N={workers}"] = {}
                 for name in names:
                     if ((bandwidth, workers) != first and FLAGS.wide_compressors
                             and name not in FLAGS.wide_compressors):
@@ -128,12 +130,16 @@ def main(argv):
                     print(f"[timing {bandwidth} N={workers}] {name}: "
                           f"{row[name].get('seconds_per_step', row[name].get('error'))}",
                           flush=True)
+                results.setdefault("timing_steps_by_setting", {})[
+                    f"{bandwidth}, N={workers}"] = FLAGS.timing_steps
+                row_load = os.getloadavg()[0]
+                for figures in row.values():
+                    figures["load_average"] = row_load
                 base = row.get("none", {}).get("seconds_per_step")
                 for figures in row.values():
                     if base and figures.get("seconds_per_step"):
                         figures["speedup"] = base / figures["seconds_per_step"]
         results["timing"] = timing
-        results["timing_steps"] = FLAGS.timing_steps
     if "accuracy" in FLAGS.parts:
         accuracy = {}
         bandwidth = FLAGS.accuracy_bandwidth

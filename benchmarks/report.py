@@ -191,13 +191,23 @@ def compression_section(result):
     return parts
 
 
+def _timing_steps(result):
+    """"20", or "20 (8 at 1gbit, N=8)" where settings were timed over other step counts."""
+    by_setting = result.get("timing_steps_by_setting", {})
+    steps = {s: by_setting.get(s, result.get("timing_steps", "?")) for s in result["timing"]}
+    counts = list(steps.values())
+    common = max(counts, key=counts.count) if counts else "?"
+    others = [f"{n} at {s}" for s, n in sorted(steps.items()) if n != common]
+    return f"{common} ({'; '.join(others)})" if others else f"{common}"
+
+
 def network_section(result):
     """Step time and accuracy of every compressor on a rate-limited network
     (`benchmarks/network.py`), with the wire bytes at each measured N."""
     parts = ["## Compression on a slow network", "",
              f"`benchmarks/network.py`: {result['job']}; {result['network']}; "
              f"{result['machine']}. Timing: median seconds per step of the chief over "
-             f"{result.get('timing_steps', '?')} steps; speed-up = uncompressed step time over "
+             f"{_timing_steps(result)} steps; speed-up = uncompressed step time over "
              "the codec's at the same bandwidth and N, in the same run (DGC timed without its "
              "warm-up; codecs left out of a setting are blank). `bytes_on_wire` is what one "
              "worker sends and receives per step at that N (Keras logs); the ratio is the dense "
