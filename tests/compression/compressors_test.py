@@ -73,6 +73,36 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
         self.assertGreaterEqual(ratio("dgc"), 270)
         self.assertGreaterEqual(ratio("terngrad"), 15)
 
+    @parameterized.parameters(ALL)
+    def test_a_float16_gradients_payload_travels_in_float16(self, name):
+        # The exchange codes a float16 gradient's float32 copy (state stays float32): the
+        # payload's values go back to float16, as `payload_dtypes` and `payload_bytes` say,
+        # and error feedback keeps their rounding.
+        compressor = tfdist.compression.get(name)
+        x = tf.cast(tf.cast(tf.random.stateless_normal([300, 40], seed=[3, 4]), tf.float16),
+                    tf.float32)
+        key = tf.constant([3, 0], tf.int64)
+        state = compressor.initial_state(x.shape, x.dtype)
+        if "residual" in state:  # (a float32 residual: what is sent is not float16 already)
+            state["residual"] = 1e-3 * tf.random.stateless_normal(x.shape, seed=[7, 8])
+        payload, new_state = compressor.compress(x, state, key, dtype=tf.float16)
+        self.assertEqual(tuple(t.dtype for t in payload),
+                         compressor.payload_dtypes(tf.float16, x.shape))
+        documented = compressor.payload_bytes(x.shape, tf.float16)
+        if compressor.variable_size:
+            self.assertLessEqual(nbytes(payload), documented)
+        elif name != "fp16":  # (fp16 does not compress what is float16 already)
+            self.assertEqual(nbytes(payload), documented)
+        for state_name, value in new_state.items():
+            self.assertEqual(value.dtype, state[state_name].dtype, state_name)
+        if "residual" in new_state:
+            sent = compressor.decompress(payload, x.shape, tf.float32, key)
+            self.assertAllClose(sent + new_state["residual"], x + state["residual"],
+                                atol=1e-6)
+            if name in ("topk", "randomk"):  # the rounding of the values sent stays
+                self.assertGreater(float(tf.reduce_max(tf.abs(new_state["residual"]) * tf.cast(
+                    sent != 0, tf.float32))), 0)
+
     @parameterized.parameters(GENERIC_MEMORY)
     def test_error_feedback_invariant(self, name):
         compressor = tfdist.compression.get(name, error_feedback=True)

@@ -139,6 +139,29 @@ class CompressedMirroredTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllEqual(parts[0], parts[1])  # replicas agree after decoding
             self.assertTrue(np.all(np.isfinite(parts[0].numpy())))
 
+    @parameterized.parameters(("topk",), ("randomk",))
+    def test_a_float16_model_sends_float16_values(self, name):
+        # Variables in float16 (not mixed precision): the payload's values travel in
+        # float16, the codec state (the residual) stays float32, and the logs count it.
+        strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression=name)
+        keras.utils.set_random_seed(1)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)),
+                                      keras.layers.Dense(16, dtype="float16"),
+                                      keras.layers.Dense(2, dtype="float16")])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        x, _ = collective_program.data()
+        history = model.fit(x, np.zeros((len(x), 2)), batch_size=32, epochs=2, shuffle=False,
+                            verbose=0).history
+        size = 8 * 16 + 16 + 16 * 2 + 2
+        self.assertEqual(history["bytes_dense"][-1], 2 * size)
+        self.assertEqual(history["bytes_sent"][-1],
+                         strategy.compressor.payload_bytes([size], tf.float16))
+        self.assertLess(history["loss"][-1], history["loss"][0])
+        residual = [v for variables in codec_state(strategy).variables.values()
+                    for state_name, v in variables.items() if state_name == "residual"]
+        self.assertEqual([v.dtype for v in residual], [tf.float32])
+
     def test_entropy_coded_threshold_trains_like_the_plain_one(self):
         plain, history = train(tfdist.strategies.CompressedMirroredStrategy(
             DEVICES, compression=tfdist.compression.get("threshold", threshold=0.005)))

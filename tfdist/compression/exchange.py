@@ -258,7 +258,10 @@ class GradientExchange:
 
         sums, new_states, sent = ([], [], tf.constant(0, tf.int64))
         if units:
-            sums, new_states, sent = compressor.exchange(tensors, states, communicator, key)
+            # Payload values travel in the gradients' own dtype (a float16 model's in float16).
+            sums, new_states, sent = compressor.exchange(
+                tensors, states, communicator, key,
+                [gradients[unit[0]][0].dtype for unit in units])
         updates = [step[r].assign_add(1) for r in replicas]
         for unit_variables, unit_states in zip(variables, new_states):
             for name, components in unit_variables.items():
