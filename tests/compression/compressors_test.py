@@ -201,6 +201,43 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(calls, [600, 600])  # steps 2 and 3, eagerly one branch each
         self.assertEqual(sizes[2:], [600, 600])
 
+    def test_dgc_leaves_the_full_top_k_after_its_warm_up_in_a_traced_step(self):
+        # Traced, both branches of the warm-up's cond are in the graph: a counter in the
+        # sampled top-k's branch tells which one each step runs.
+        from tfdist.compression import sparsify
+
+        compressor = tfdist.compression.get("dgc", ratio=0.01, warmup_steps=2)
+        x = tf.random.stateless_normal([60_000], seed=[2, 2])
+        state = {name: tf.Variable(value) for name, value in
+                 compressor.initial_state(x.shape, x.dtype).items()}
+        sampled = tf.Variable(0)
+        original = sparsify.top_k_indices
+
+        def spy(magnitudes, k):
+            with tf.control_dependencies([sampled.assign_add(1)]):
+                return tf.identity(original(magnitudes, k))
+
+        @tf.function
+        def step():
+            payload, new_state = compressor.compress(x, {n: v.read_value()
+                                                         for n, v in state.items()})
+            for name, value in new_state.items():
+                state[name].assign(value)
+            return tf.size(payload[0])
+
+        sparsify.top_k_indices = spy
+        try:
+            sizes, counts = [], []
+            for _ in range(4):
+                sizes.append(int(step()))
+                counts.append(int(sampled.numpy()))
+        finally:
+            sparsify.top_k_indices = original
+        self.assertEqual(counts, [0, 0, 1, 2])  # the full top-k in steps 0 and 1 only
+        self.assertEqual(sizes[2:], [600, 600])
+        self.assertGreater(sizes[0], sizes[1])
+        self.assertEqual(int(state["step"].numpy()), 4)
+
     def test_indices_past_two_to_the_31_are_int64(self):
         # A tensor of 2^31 elements takes 8 GiB; the limit is lowered to show the int64 path.
         from tfdist.compression import sparsify

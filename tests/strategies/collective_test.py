@@ -13,6 +13,7 @@ from keras.src.backend.tensorflow import optimizer_distribute_test as keras_opti
 
 import tfdist
 from tests.strategies import collective_program
+from tfdist.compression.base import num_selected
 from tfdist.launch import LocalCluster
 
 PROGRAM = collective_program.__file__
@@ -201,6 +202,47 @@ class CompressedMirroredTest(tf.test.TestCase, parameterized.TestCase):
                     self.assertTrue(np.all(np.isfinite(part.numpy())), (key, state_name))
         history = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0).history
         self.assertLess(history["loss"][-1], history["loss"][0])
+        self.assertGreater(history["bytes_sent"][-1], 0)
+        # A skipped step after steps that sent: Keras skips before the all-reduce, nothing
+        # travels, and the logs say 0 (not the last step's bytes again).
+        optimizer.dynamic_scale.assign(2.0 ** 127)
+        history = model.fit(1e6 * x[:32], y[:32], batch_size=32, epochs=1, shuffle=False,
+                            verbose=0).history
+        self.assertEqual(float(optimizer.dynamic_scale.numpy()), 2.0 ** 126)  # skipped
+        for key in ("bytes_sent", "bytes_dense", "bytes_on_wire", "compression_ratio"):
+            self.assertEqual(history[key], [0.0], key)
+
+    def test_dgc_leaves_its_warm_up_inside_fit(self):
+        # `fit` traces the step (run_eagerly=False): the warm-up's cond runs the full top-k
+        # for the first 2 steps, then the sampled one; a counter in the latter tells.
+        from tfdist.compression import sparsify
+
+        strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression={
+            "name": "dgc", "config": {"ratio": 0.01, "warmup_steps": 2}})
+        sampled = tf.Variable(0)
+        original = sparsify.top_k_indices
+
+        def spy(magnitudes, k):
+            with tf.control_dependencies([sampled.assign_add(1)]):
+                return tf.identity(original(magnitudes, k))
+
+        counts, sizes = [], []
+        record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: (
+            counts.append(int(sampled.numpy())), sizes.append(float(logs["bytes_sent"]))))
+        model = build(strategy)
+        x, y = collective_program.data()
+        sparsify.top_k_indices = spy
+        try:
+            model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
+                      callbacks=[record])
+        finally:
+            sparsify.top_k_indices = original
+        # 4 gradients coded apart (DGC is per layer) on each of 2 replicas.
+        self.assertEqual(counts, [0, 0, 8, 16])
+        # After it, each gradient sends its final k values and indices.
+        final = sum(8 * num_selected(n, 0.01) for n in (8 * 16, 16, 16 * 2, 2))
+        self.assertEqual(sizes[2:], [final, final])
+        self.assertGreater(sizes[0], final)
 
     def test_dgc_beside_an_optimizers_momentum_is_named(self):
         strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression="dgc")

@@ -94,6 +94,13 @@ class _CompressedExchangeMixin:
         outer = self._compression_trace is None
         if outer:
             self._compression_trace = {"written": False}
+            if self._exchange is not None:
+                # A step whose exchange does not run logs 0 bytes, not the last step's: a
+                # LossScaleOptimizer skips a step with non-finite gradients before it
+                # all-reduces them (Keras decides on replica 0's gradients, in a cond whose
+                # other branch only lowers the scale), so nothing of the step travels.
+                for variable in self._stats_variables().values():
+                    variable.assign(tf.zeros([], tf.int64))
         try:
             result = super()._call_for_each_replica(fn, args, kwargs)
         finally:
