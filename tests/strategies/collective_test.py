@@ -694,6 +694,21 @@ class MultiWorkerTest(tf.test.TestCase):
         self.assertEqual(chief["history"]["bytes_dense"][-1], 4 * (4 * 16 + 16 + 16 * 2 + 2))
         self.assertEqual(chief["history"]["compression_ratio"][-1], 2.0)
 
+    def test_shared_state_restored_apart_is_broadcast_from_the_chief(self):
+        # Random-k draws its indices from the step key, which every worker must hold alike.
+        # Worker 1 restores a step 5 ahead (a checkpoint of another step): the next step
+        # broadcasts the chief's, worker 1 says so, and the workers stay identical (with
+        # keys apart each would scatter the summed values at its own indices).
+        out = self.get_temp_dir()
+        result, log = run_workers(out, "--compression=randomk", "--restore_other_step")
+        self.assertEqual(result.returncode, 0, log)
+        chief, other = load(out, "worker_0.json"), load(out, "worker_1.json")
+        for a, b in zip(chief["weights"], other["weights"]):
+            self.assertAllEqual(a, b)
+        warning = "differed on this worker from the chief's"
+        self.assertRegex(log, r"\[worker:1\].*" + warning + r".*: step; it now holds")
+        self.assertNotRegex(log, r"\[worker:0\].*" + warning)
+
     def test_steps_per_execution_is_a_clear_error(self):
         out = self.get_temp_dir()
         result, log = run_workers(out, "--steps_per_execution=2")

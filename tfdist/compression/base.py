@@ -60,6 +60,10 @@ class Compressor:
       per_tensor: the compressor's scale or selection must be each gradient's own (a
         quantiser's norm, DGC's per-layer top-k): the exchange never fuses gradients.
       lossy: decoding does not give back the input exactly.
+      replicated_state: names of the state every replica holds alike (PowerSGD's Q, DGC's
+        step), saved once and broadcast from replica 0 after a restore.
+      shared_key: the compressor draws choices from the step key that every replica must
+        draw alike (random-k's indices, which do not travel).
     """
 
     name = None
@@ -71,6 +75,7 @@ class Compressor:
     per_tensor = False
     aggregate = "sum"  # how the replicas' payloads combine (signsgd_mv: "majority vote")
     replicated_state = frozenset()  # state every replica holds alike (saved once)
+    shared_key = False  # choices drawn from the step key must agree across replicas
 
     def __init__(self, error_feedback=None, min_size=0, exclude=()):
         if error_feedback is None:

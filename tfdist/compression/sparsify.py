@@ -168,6 +168,7 @@ class RandomKCompressor(Compressor):
 
     name = "randomk"
     linear = True
+    shared_key = True
 
     def __init__(self, ratio=0.01, seed=0, error_feedback=True, **kwargs):
         super().__init__(error_feedback=error_feedback, **kwargs)

@@ -75,6 +75,7 @@ class CompressionState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
         self._replicated = {}  # key -> names every replica holds alike
         # Saved name -> value, restored for state not made yet (None: nothing restored).
         self._pending = None
+        self._sync_pending = None  # per replica: 1 until replicated state was broadcast
 
     # Variables ------------------------------------------------------------------------------
 
@@ -102,6 +103,35 @@ class CompressionState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
         self._pending = None
         for key in self.variables:
             self._assign(key, {})
+        self._mark_unsynchronized()
+
+    @property
+    def replica_offset(self):
+        """The global number of this process's first replica."""
+        return self._replica_offset
+
+    def replicated(self, key):
+        """The names of `key`'s state that every replica holds alike."""
+        return self._replicated[key]
+
+    def sync_flags(self):
+        """Per local replica, an int64 flag that is 1 from the state's start, a restore or a
+        reset until the exchange has made the replicated state the same on every worker
+        (not saved: a restored state is one to check)."""
+        if self._sync_pending is None:
+            with tf.init_scope(), self._strategy.scope():
+                self._sync_pending = tf.Variable(
+                    tf.ones([], tf.int64), trainable=False, name="tfdist_sync_pending",
+                    synchronization=tf.VariableSynchronization.ON_READ,
+                    aggregation=tf.VariableAggregation.NONE)
+        return self._strategy.experimental_local_results(self._sync_pending)
+
+    def _mark_unsynchronized(self):
+        if self._sync_pending is not None:
+            with tf.init_scope():
+                for component in self._strategy.experimental_local_results(
+                        self._sync_pending):
+                    component.assign(1)
 
     # Saving ---------------------------------------------------------------------------------
 
@@ -149,6 +179,7 @@ class CompressionState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
         self._pending = dict(values)
         for key in self.variables:
             self._assign(key, values)
+        self._mark_unsynchronized()
 
     def _assign(self, key, values):
         """Sets `key`'s state to its entries in `values`, or to its start; the entries used
