@@ -645,13 +645,19 @@ class MultiWorkerTest(tf.test.TestCase):
         self.assertEqual(chief["predict_shape"], [collective_program.ROWS, 2])
         self.assertNotIn("bytes_sent", chief["history"])
 
-    def test_fit_with_topk_compression(self):
+    def identical_workers(self, *flags):
+        """Runs the workers with `flags`; checks they end with the same weights. Returns the
+        chief's results and the cluster's log."""
         out = self.get_temp_dir()
-        result, log = run_workers(out, "--compression=topk", "--epochs=3")
+        result, log = run_workers(out, *flags)
         self.assertEqual(result.returncode, 0, log)
         chief, other = load(out, "worker_0.json"), load(out, "worker_1.json")
         for a, b in zip(chief["weights"], other["weights"]):
             self.assertAllEqual(a, b)
+        return chief, log
+
+    def test_fit_with_topk_compression(self):
+        chief, _ = self.identical_workers("--compression=topk", "--epochs=3")
         history = chief["history"]
         self.assertEqual(history["bytes_dense"][-1], 712.0)
         self.assertEqual(history["bytes_sent"][-1], 8.0)  # one value + one index of 178
@@ -699,12 +705,7 @@ class MultiWorkerTest(tf.test.TestCase):
         # Worker 1 restores a step 5 ahead (a checkpoint of another step): the next step
         # broadcasts the chief's, worker 1 says so, and the workers stay identical (with
         # keys apart each would scatter the summed values at its own indices).
-        out = self.get_temp_dir()
-        result, log = run_workers(out, "--compression=randomk", "--restore_other_step")
-        self.assertEqual(result.returncode, 0, log)
-        chief, other = load(out, "worker_0.json"), load(out, "worker_1.json")
-        for a, b in zip(chief["weights"], other["weights"]):
-            self.assertAllEqual(a, b)
+        _, log = self.identical_workers("--compression=randomk", "--restore_other_step")
         warning = "differed on this worker from the chief's"
         self.assertRegex(log, r"\[worker:1\].*" + warning + r".*: step; it now holds")
         self.assertNotRegex(log, r"\[worker:0\].*" + warning)
