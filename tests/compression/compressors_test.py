@@ -73,6 +73,36 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
         self.assertGreaterEqual(ratio("dgc"), 270)
         self.assertGreaterEqual(ratio("terngrad"), 15)
 
+    @parameterized.parameters(ALL)
+    def test_a_float16_gradients_payload_travels_in_float16(self, name):
+        # The exchange codes a float16 gradient's float32 copy (state stays float32): the
+        # payload's values go back to float16, as `payload_dtypes` and `payload_bytes` say,
+        # and error feedback keeps their rounding.
+        compressor = tfdist.compression.get(name)
+        x = tf.cast(tf.cast(tf.random.stateless_normal([300, 40], seed=[3, 4]), tf.float16),
+                    tf.float32)
+        key = tf.constant([3, 0], tf.int64)
+        state = compressor.initial_state(x.shape, x.dtype)
+        if "residual" in state:  # (a float32 residual: what is sent is not float16 already)
+            state["residual"] = 1e-3 * tf.random.stateless_normal(x.shape, seed=[7, 8])
+        payload, new_state = compressor.compress(x, state, key, dtype=tf.float16)
+        self.assertEqual(tuple(t.dtype for t in payload),
+                         compressor.payload_dtypes(tf.float16, x.shape))
+        documented = compressor.payload_bytes(x.shape, tf.float16)
+        if compressor.variable_size:
+            self.assertLessEqual(nbytes(payload), documented)
+        elif name != "fp16":  # (fp16 does not compress what is float16 already)
+            self.assertEqual(nbytes(payload), documented)
+        for state_name, value in new_state.items():
+            self.assertEqual(value.dtype, state[state_name].dtype, state_name)
+        if "residual" in new_state:
+            sent = compressor.decompress(payload, x.shape, tf.float32, key)
+            self.assertAllClose(sent + new_state["residual"], x + state["residual"],
+                                atol=1e-6)
+            if name in ("topk", "randomk"):  # the rounding of the values sent stays
+                self.assertGreater(float(tf.reduce_max(tf.abs(new_state["residual"]) * tf.cast(
+                    sent != 0, tf.float32))), 0)
+
     @parameterized.parameters(GENERIC_MEMORY)
     def test_error_feedback_invariant(self, name):
         compressor = tfdist.compression.get(name, error_feedback=True)
@@ -170,6 +200,43 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
             sparsify.top_k_indices = original
         self.assertEqual(calls, [600, 600])  # steps 2 and 3, eagerly one branch each
         self.assertEqual(sizes[2:], [600, 600])
+
+    def test_dgc_leaves_the_full_top_k_after_its_warm_up_in_a_traced_step(self):
+        # Traced, both branches of the warm-up's cond are in the graph: a counter in the
+        # sampled top-k's branch tells which one each step runs.
+        from tfdist.compression import sparsify
+
+        compressor = tfdist.compression.get("dgc", ratio=0.01, warmup_steps=2)
+        x = tf.random.stateless_normal([60_000], seed=[2, 2])
+        state = {name: tf.Variable(value) for name, value in
+                 compressor.initial_state(x.shape, x.dtype).items()}
+        sampled = tf.Variable(0)
+        original = sparsify.top_k_indices
+
+        def spy(magnitudes, k):
+            with tf.control_dependencies([sampled.assign_add(1)]):
+                return tf.identity(original(magnitudes, k))
+
+        @tf.function
+        def step():
+            payload, new_state = compressor.compress(x, {n: v.read_value()
+                                                         for n, v in state.items()})
+            for name, value in new_state.items():
+                state[name].assign(value)
+            return tf.size(payload[0])
+
+        sparsify.top_k_indices = spy
+        try:
+            sizes, counts = [], []
+            for _ in range(4):
+                sizes.append(int(step()))
+                counts.append(int(sampled.numpy()))
+        finally:
+            sparsify.top_k_indices = original
+        self.assertEqual(counts, [0, 0, 1, 2])  # the full top-k in steps 0 and 1 only
+        self.assertEqual(sizes[2:], [600, 600])
+        self.assertGreater(sizes[0], sizes[1])
+        self.assertEqual(int(state["step"].numpy()), 4)
 
     def test_indices_past_two_to_the_31_are_int64(self):
         # A tensor of 2^31 elements takes 8 GiB; the limit is lowered to show the int64 path.

@@ -28,6 +28,9 @@ def define_flags():
     flags.DEFINE_bool("run_eagerly", False, "Keras run_eagerly.")
     flags.DEFINE_bool("embedding", False, "Integer inputs through an Embedding layer (its "
                       "gradient is an IndexedSlices).")
+    flags.DEFINE_bool("restore_other_step", False, "After `fit`, worker 1 restores its codec "
+                      "state with another step counter (a checkpoint of another step), then "
+                      "every worker trains one epoch more.")
 
 ROWS, BATCH, VOCABULARY = 128, 32, 100
 
@@ -67,6 +70,13 @@ def main(argv):
     with strategy.scope():
         model = build_model(FLAGS.steps_per_execution, FLAGS.run_eagerly, FLAGS.embedding)
     history = model.fit(dataset(FLAGS.embedding), epochs=FLAGS.epochs, verbose=2)
+    if FLAGS.restore_other_step:
+        if config.task_index == 1:
+            state = model.optimizer.tfdist_compression_state
+            values = state.values()
+            values["step/step"] = values["step/step"] + 5
+            state.restore(values)
+        history = model.fit(dataset(FLAGS.embedding), epochs=1, verbose=2)
     evaluation = model.evaluate(dataset(FLAGS.embedding), verbose=0, return_dict=True)
     x, _ = data(FLAGS.embedding)
     predictions = model.predict(x, batch_size=BATCH, verbose=0)

@@ -13,6 +13,7 @@ from keras.src.backend.tensorflow import optimizer_distribute_test as keras_opti
 
 import tfdist
 from tests.strategies import collective_program
+from tfdist.compression.base import num_selected
 from tfdist.launch import LocalCluster
 
 PROGRAM = collective_program.__file__
@@ -139,6 +140,29 @@ class CompressedMirroredTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllEqual(parts[0], parts[1])  # replicas agree after decoding
             self.assertTrue(np.all(np.isfinite(parts[0].numpy())))
 
+    @parameterized.parameters(("topk",), ("randomk",))
+    def test_a_float16_model_sends_float16_values(self, name):
+        # Variables in float16 (not mixed precision): the payload's values travel in
+        # float16, the codec state (the residual) stays float32, and the logs count it.
+        strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression=name)
+        keras.utils.set_random_seed(1)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((8,)),
+                                      keras.layers.Dense(16, dtype="float16"),
+                                      keras.layers.Dense(2, dtype="float16")])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        x, _ = collective_program.data()
+        history = model.fit(x, np.zeros((len(x), 2)), batch_size=32, epochs=2, shuffle=False,
+                            verbose=0).history
+        size = 8 * 16 + 16 + 16 * 2 + 2
+        self.assertEqual(history["bytes_dense"][-1], 2 * size)
+        self.assertEqual(history["bytes_sent"][-1],
+                         strategy.compressor.payload_bytes([size], tf.float16))
+        self.assertLess(history["loss"][-1], history["loss"][0])
+        residual = [v for variables in codec_state(strategy).variables.values()
+                    for state_name, v in variables.items() if state_name == "residual"]
+        self.assertEqual([v.dtype for v in residual], [tf.float32])
+
     def test_entropy_coded_threshold_trains_like_the_plain_one(self):
         plain, history = train(tfdist.strategies.CompressedMirroredStrategy(
             DEVICES, compression=tfdist.compression.get("threshold", threshold=0.005)))
@@ -178,6 +202,47 @@ class CompressedMirroredTest(tf.test.TestCase, parameterized.TestCase):
                     self.assertTrue(np.all(np.isfinite(part.numpy())), (key, state_name))
         history = model.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=0).history
         self.assertLess(history["loss"][-1], history["loss"][0])
+        self.assertGreater(history["bytes_sent"][-1], 0)
+        # A skipped step after steps that sent: Keras skips before the all-reduce, nothing
+        # travels, and the logs say 0 (not the last step's bytes again).
+        optimizer.dynamic_scale.assign(2.0 ** 127)
+        history = model.fit(1e6 * x[:32], y[:32], batch_size=32, epochs=1, shuffle=False,
+                            verbose=0).history
+        self.assertEqual(float(optimizer.dynamic_scale.numpy()), 2.0 ** 126)  # skipped
+        for key in ("bytes_sent", "bytes_dense", "bytes_on_wire", "compression_ratio"):
+            self.assertEqual(history[key], [0.0], key)
+
+    def test_dgc_leaves_its_warm_up_inside_fit(self):
+        # `fit` traces the step (run_eagerly=False): the warm-up's cond runs the full top-k
+        # for the first 2 steps, then the sampled one; a counter in the latter tells.
+        from tfdist.compression import sparsify
+
+        strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression={
+            "name": "dgc", "config": {"ratio": 0.01, "warmup_steps": 2}})
+        sampled = tf.Variable(0)
+        original = sparsify.top_k_indices
+
+        def spy(magnitudes, k):
+            with tf.control_dependencies([sampled.assign_add(1)]):
+                return tf.identity(original(magnitudes, k))
+
+        counts, sizes = [], []
+        record = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: (
+            counts.append(int(sampled.numpy())), sizes.append(float(logs["bytes_sent"]))))
+        model = build(strategy)
+        x, y = collective_program.data()
+        sparsify.top_k_indices = spy
+        try:
+            model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0,
+                      callbacks=[record])
+        finally:
+            sparsify.top_k_indices = original
+        # 4 gradients coded apart (DGC is per layer) on each of 2 replicas.
+        self.assertEqual(counts, [0, 0, 8, 16])
+        # After it, each gradient sends its final k values and indices.
+        final = sum(8 * num_selected(n, 0.01) for n in (8 * 16, 16, 16 * 2, 2))
+        self.assertEqual(sizes[2:], [final, final])
+        self.assertGreater(sizes[0], final)
 
     def test_dgc_beside_an_optimizers_momentum_is_named(self):
         strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression="dgc")
@@ -580,13 +645,19 @@ class MultiWorkerTest(tf.test.TestCase):
         self.assertEqual(chief["predict_shape"], [collective_program.ROWS, 2])
         self.assertNotIn("bytes_sent", chief["history"])
 
-    def test_fit_with_topk_compression(self):
+    def identical_workers(self, *flags):
+        """Runs the workers with `flags`; checks they end with the same weights. Returns the
+        chief's results and the cluster's log."""
         out = self.get_temp_dir()
-        result, log = run_workers(out, "--compression=topk", "--epochs=3")
+        result, log = run_workers(out, *flags)
         self.assertEqual(result.returncode, 0, log)
         chief, other = load(out, "worker_0.json"), load(out, "worker_1.json")
         for a, b in zip(chief["weights"], other["weights"]):
             self.assertAllEqual(a, b)
+        return chief, log
+
+    def test_fit_with_topk_compression(self):
+        chief, _ = self.identical_workers("--compression=topk", "--epochs=3")
         history = chief["history"]
         self.assertEqual(history["bytes_dense"][-1], 712.0)
         self.assertEqual(history["bytes_sent"][-1], 8.0)  # one value + one index of 178
@@ -628,6 +699,16 @@ class MultiWorkerTest(tf.test.TestCase):
             self.assertAllClose(want, a, rtol=1e-5, atol=1e-6)
         self.assertEqual(chief["history"]["bytes_dense"][-1], 4 * (4 * 16 + 16 + 16 * 2 + 2))
         self.assertEqual(chief["history"]["compression_ratio"][-1], 2.0)
+
+    def test_shared_state_restored_apart_is_broadcast_from_the_chief(self):
+        # Random-k draws its indices from the step key, which every worker must hold alike.
+        # Worker 1 restores a step 5 ahead (a checkpoint of another step): the next step
+        # broadcasts the chief's, worker 1 says so, and the workers stay identical (with
+        # keys apart each would scatter the summed values at its own indices).
+        _, log = self.identical_workers("--compression=randomk", "--restore_other_step")
+        warning = "differed on this worker from the chief's"
+        self.assertRegex(log, r"\[worker:1\].*" + warning + r".*: step; it now holds")
+        self.assertNotRegex(log, r"\[worker:0\].*" + warning)
 
     def test_steps_per_execution_is_a_clear_error(self):
         out = self.get_temp_dir()

@@ -117,15 +117,34 @@ def save(name, **values):
         json.dump(values, f)
 
 
+def codec_state(model):
+    """The worker's codec state (push residuals) as saved: `{name: list}`, or None."""
+    state = getattr(model.optimizer, "tfdist_compression_state", None)
+    if state is None:
+        return None
+    return {name: np.asarray(value).tolist() for name, value in state.values().items()}
+
+
 class Crash(keras.callbacks.Callback):
+    """Dies after `epoch` (after BackupAndRestore saved it), writing the codec state."""
+
     def __init__(self, epoch):
         super().__init__()
         self.epoch = epoch
 
     def on_epoch_end(self, epoch, logs=None):
         if epoch == self.epoch:
+            save("codec_state_saved.json", state=codec_state(self.model))
             print(f"CRASH after epoch {epoch}", flush=True)
             os._exit(3)
+
+
+class RestoredCodecState(keras.callbacks.Callback):
+    """Writes the codec state once BackupAndRestore (before it) has restored the run."""
+
+    def on_train_begin(self, logs=None):
+        save(f"codec_state_restored{tfdist.cluster.parse_tf_config().task_index}.json",
+             state=codec_state(self.model))
 
 
 def halve_learning_rate():
@@ -225,7 +244,8 @@ def main(argv):
             history = model.fit(xs[:3 * BATCH], ys[:3 * BATCH], **one)
     elif FLAGS.scenario == "checkpoint":
         callbacks = [keras.callbacks.BackupAndRestore(
-            os.path.join(FLAGS.out_dir, f"backup{rank}")), halve_learning_rate()]
+            os.path.join(FLAGS.out_dir, f"backup{rank}")), RestoredCodecState(),
+            halve_learning_rate()]
         if strategy.is_chief:
             callbacks.append(keras.callbacks.ModelCheckpoint(
                 os.path.join(FLAGS.out_dir, "model.weights.h5"), save_weights_only=True))
@@ -233,6 +253,10 @@ def main(argv):
                 callbacks.append(Crash(FLAGS.crash_after_epoch))
         history = model.fit(xs, ys, batch_size=BATCH, epochs=FLAGS.epochs, shuffle=False,
                             verbose=0, callbacks=callbacks)
+        state = codec_state(model)
+        if state:
+            strategy.reset_compression_state()
+            save(f"codec_state_reset{rank}.json", before=state, after=codec_state(model))
     else:
         callbacks = ([Ready()] if FLAGS.scenario == "long" else
                      [halve_learning_rate()] if FLAGS.scenario == "equivalence" else [])

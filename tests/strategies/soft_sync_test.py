@@ -308,8 +308,12 @@ class CheckpointTest(tf.test.TestCase):
 
     def test_backup_and_restore_resumes_and_model_checkpoint_loads(self):
         # Adam on 2 ps tasks: each task's optimizer step count must resume with its slots.
+        # The pushes are fp16 with error feedback: each worker's residuals (its pushes'
+        # rounding errors, one per part of the shards) are saved in its backup and restored.
         out = self.get_temp_dir()
-        flags = ["--scenario=checkpoint", "--epochs=4", "--optimizer=adam"]
+        flags = ["--scenario=checkpoint", "--epochs=4", "--optimizer=adam",
+                 "--strategy_arg=compression={'name': 'fp16', 'config': "
+                 "{'error_feedback': True}}"]
         with make_cluster(out, 2, *flags, "--crash_after_epoch=1", num_ps=2) as cluster:
             crashed = cluster.wait()
         self.assertEqual(crashed.failed_task, "worker:0", cluster_log(cluster))
@@ -326,10 +330,28 @@ class CheckpointTest(tf.test.TestCase):
         self.assertEqual(chief["history"]["global_step"],
                          [3 * steps_per_epoch, 4 * steps_per_epoch])
         self.assertEqual(chief["updates"], 2 * steps_per_epoch)
-        # Hard sync, resumed: the same weights as one process trained without a break.
+        # Hard sync, resumed: the weights of one process trained without a break, within
+        # fp16's rounding of the pushes.
         for got, want in zip(chief["weights"], one_process_reference(out, "adam", 4)):
-            self.assertAllClose(np.array(got), want, rtol=1e-5, atol=1e-6)
-        # The chief's ModelCheckpoint holds the final master weights.
+            self.assertAllClose(np.array(got), want, rtol=0, atol=1e-3)
+        # The chief's residuals as its backup saved them, back before its first step; one
+        # per ps task's fused push, keyed by the variables it carries (by their place among
+        # the optimizer's: the first kernel split by rows over the 2 ps tasks).
+        saved = load_result(out, "codec_state_saved.json")["state"]
+        restored = load_result(out, "codec_state_restored0.json")["state"]
+        self.assertEqual(sorted(saved), ["#0@0:4+#2[96]/residual/replica_0",
+                                         "#0@4:8+#1+#3[82]/residual/replica_0"])
+        self.assertEqual(sorted(restored), sorted(saved))
+        for name, value in saved.items():
+            self.assertAllEqual(restored[name], value, msg=name)
+        self.assertGreater(max(np.abs(v).max() for v in saved.values()), 0)
+        # `reset_compression_state()` sets them back to zero.
+        reset = load_result(out, "codec_state_reset0.json")
+        self.assertEqual(sorted(reset["after"]), sorted(saved))
+        for name, value in reset["after"].items():
+            self.assertAllEqual(value, np.zeros_like(reset["before"][name]), msg=name)
+        # The chief's ModelCheckpoint holds the final master weights (and its codec state,
+        # which plain Keras does not ask for).
         model = ps_program.build_model("adam")
         model.load_weights(os.path.join(out, "model.weights.h5"))
         for got, want in zip(model.get_weights(), chief["weights"]):

@@ -60,6 +60,10 @@ class Compressor:
       per_tensor: the compressor's scale or selection must be each gradient's own (a
         quantiser's norm, DGC's per-layer top-k): the exchange never fuses gradients.
       lossy: decoding does not give back the input exactly.
+      replicated_state: names of the state every replica holds alike (PowerSGD's Q, DGC's
+        step), saved once and broadcast from replica 0 after a restore.
+      shared_key: the compressor draws choices from the step key that every replica must
+        draw alike (random-k's indices, which do not travel).
     """
 
     name = None
@@ -71,6 +75,7 @@ class Compressor:
     per_tensor = False
     aggregate = "sum"  # how the replicas' payloads combine (signsgd_mv: "majority vote")
     replicated_state = frozenset()  # state every replica holds alike (saved once)
+    shared_key = False  # choices drawn from the step key must agree across replicas
 
     def __init__(self, error_feedback=None, min_size=0, exclude=()):
         if error_feedback is None:
@@ -155,8 +160,14 @@ class Compressor:
             spec["residual"] = (shape, dtype)
         return {name: tf.zeros(s, d) for name, (s, d) in spec.items()}
 
-    def compress(self, tensor, state=None, key=None):
-        """Returns `(payload, new_state)` for `tensor` (error feedback included)."""
+    def compress(self, tensor, state=None, key=None, dtype=None):
+        """Returns `(payload, new_state)` for `tensor` (error feedback included).
+
+        `dtype` is the gradient's own dtype when `tensor` is its float32 copy (the exchange
+        codes, and keeps state, in float32): the payload then travels in the dtypes
+        `payload_dtypes(dtype)` declares (a float16 model's top-k values in float16), and
+        error feedback keeps what that rounding left out too.
+        """
         tensor = tf.convert_to_tensor(tensor)
         state = dict(self.initial_state(tensor.shape, tensor.dtype) if state is None else state)
         if not self.compressible(tensor.shape, tensor.dtype):
@@ -170,6 +181,8 @@ class Compressor:
         if memory:
             tensor = self.memory.compensate(tensor, state["residual"])
         payload, new_state = self._compress(tensor, state, key)
+        if dtype is not None and tf.as_dtype(dtype) != tensor.dtype:
+            payload = _cast_floats(payload, self.payload_dtypes(dtype, tensor.shape))
         new_state = {**state, **new_state}
         if memory:
             new_state["residual"] = self._residual(tensor, tuple(payload), key)
@@ -200,7 +213,7 @@ class Compressor:
         return self._decompress_sum(payloads, tf.TensorShape(shape), tf.as_dtype(dtype),
                                     _key(key))
 
-    def exchange(self, tensors, states, communicator, key):
+    def exchange(self, tensors, states, communicator, key, dtypes=None):
         """Sums `tensors` over every replica of the job through `communicator`.
 
         Args:
@@ -209,6 +222,8 @@ class Compressor:
           states: the states of the same units and replicas.
           communicator: moves payloads (`all_reduce`, `all_gather`).
           key: the step key, the same on every replica.
+          dtypes: per unit, the gradients' own dtype, in which payload values travel (see
+            `compress`); None: the tensors' dtype.
 
         Returns:
           `(sums, new_states, sent_bytes)`: `sums[unit][replica]` the sum over all replicas,
@@ -220,7 +235,8 @@ class Compressor:
         for u, unit in enumerate(tensors):
             for r, tensor in enumerate(unit):
                 with tf.device(devices[r]):
-                    payloads[u][r], new_states[u][r] = self.compress(tensor, states[u][r], key)
+                    payloads[u][r], new_states[u][r] = self.compress(
+                        tensor, states[u][r], key, None if dtypes is None else dtypes[u])
         sent = sum_payload_bytes([p[0] for p in payloads])
         # Every unit's payload tensors go in one collective call: summed when the payloads
         # are linear (decoded once), else gathered (each replica's part decoded, then summed).
@@ -286,6 +302,12 @@ def sum_payload_bytes(payloads):
         for t in payload:
             total += tf.size(t, out_type=tf.int64) * t.dtype.size
     return total
+
+
+def _cast_floats(payload, dtypes):
+    """`payload` with each floating tensor cast to its declared floating dtype."""
+    return tuple(tf.cast(t, d) if t.dtype.is_floating and d.is_floating and t.dtype != d
+                 else t for t, d in zip(payload, dtypes))
 
 
 def _num_elements(shape):

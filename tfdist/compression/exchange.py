@@ -17,11 +17,15 @@ int32 vector (bit-cast; collectives gather no 8- or 16-bit integers), so a step 
 all-gather, plus one for the sizes when they follow the data.
 """
 
+import logging
+
 import tensorflow as tf
 
 from tfdist import _tf_compat
 from tfdist.compression.base import Communicator
 from tfdist.compression.state import CompressionState
+
+log = logging.getLogger("tfdist")
 
 _WIRE = tf.int32
 # What one exchange reports (int64 tensors), and `compression_logs` turns into Keras logs.
@@ -233,9 +237,8 @@ class GradientExchange:
         # The step key: the same on every replica, so random choices agree without messages.
         step = state.get("step", lambda: {"step": tf.zeros([], tf.int64)},
                          replicated=("step",))["step"]
-        key = tf.stack([tf.identity(step[0]), tf.constant(0, tf.int64)])
 
-        tensors, states, variables = [], [], []
+        tensors, unit_keys, variables = [], [], []
         for unit in units:
             fused = []
             for r in replicas:
@@ -249,16 +252,31 @@ class GradientExchange:
             tensors.append(fused)
             first = fused[0]
             unit_key = ("unit", tuple(names[i] for i in unit), tuple(first.shape.as_list()))
-            unit_variables = state.get(
+            unit_keys.append(unit_key)
+            variables.append(state.get(
                 unit_key, lambda s=first.shape: compressor.initial_state(s, tf.float32),
-                replicated=compressor.replicated_state)
-            variables.append(unit_variables)
-            states.append([{name: tf.identity(v[r]) for name, v in unit_variables.items()}
-                           for r in replicas])
+                replicated=compressor.replicated_state))
+        synchronized = []
+        if (communicator.num_replicas > len(communicator.devices)
+                and (compressor.replicated_state or compressor.shared_key)):
+            # Several workers: the state each holds alike must be alike (one process's
+            # replicas are restored alike).
+            shared = [("step", step)] + [
+                (f"{'+'.join(unit_key[1])}/{name}", unit_variables[name])
+                for unit_key, unit_variables in zip(unit_keys, variables)
+                for name in sorted(state.replicated(unit_key) & set(unit_variables))]
+            synchronized = [self._synchronize(state, communicator, shared)]
+        with tf.control_dependencies(synchronized):
+            key = tf.stack([tf.identity(step[0]), tf.constant(0, tf.int64)])
+            states = [[{name: tf.identity(v[r]) for name, v in unit_variables.items()}
+                       for r in replicas] for unit_variables in variables]
 
         sums, new_states, sent = ([], [], tf.constant(0, tf.int64))
         if units:
-            sums, new_states, sent = compressor.exchange(tensors, states, communicator, key)
+            # Payload values travel in the gradients' own dtype (a float16 model's in float16).
+            sums, new_states, sent = compressor.exchange(
+                tensors, states, communicator, key,
+                [gradients[unit[0]][0].dtype for unit in units])
         updates = [step[r].assign_add(1) for r in replicas]
         for unit_variables, unit_states in zip(variables, new_states):
             for name, components in unit_variables.items():
@@ -293,6 +311,62 @@ class GradientExchange:
                         "bytes_on_wire": 2 * communicator.wire_bytes(),
                         "bytes_on_wire_dense": tf.constant(4 * (n - 1) * dense_bytes // n,
                                                            tf.int64)}
+
+
+    @staticmethod
+    def _synchronize(state, communicator, shared):
+        """Makes the state every replica must hold alike the same on every worker at the
+        first step after the state's start, a restore or a reset, by broadcasting replica
+        0's; a worker whose values differed (restored from another checkpoint, or not
+        restored) logs which. Every step all-reduces the workers' flags (one float32), so
+        that every worker takes the broadcast's branch, and its collective, together.
+
+        Args:
+          state: the `CompressionState` (its `sync_flags`).
+          communicator: a `StrategyCommunicator`.
+          shared: `(name, per-replica variables)` of the replicated state.
+
+        Returns the op that ends the synchronisation.
+        """
+        replicas = range(len(communicator.devices))
+        flags = state.sync_flags()
+        pending = communicator.all_reduce([[tf.cast(flags[r], tf.float32)]
+                                           for r in replicas])[0][0] > 0
+        n = communicator.num_replicas
+        payload = sum(v[0].shape.num_elements() * v[0].dtype.size for _, v in shared)
+        # (Counted here: what the branch's collective moves exists only on the steps it runs.)
+        communicator.wire.append(tf.where(pending, tf.constant(2 * (n - 1) * payload // n,
+                                                                tf.int64), 0))
+
+        def broadcast():
+            mark = len(communicator.wire)
+            first = [state.replica_offset + r == 0 for r in replicas]
+            values = communicator.all_reduce([
+                [v[r].read_value() if first[r] else tf.zeros_like(v[r]) for _, v in shared]
+                for r in replicas])
+            del communicator.wire[mark:]
+            differed = tf.stack([tf.reduce_any(tf.not_equal(values[r][j], v[r]))
+                                 for j, (_, v) in enumerate(shared) for r in replicas])
+            names = [name for name, _ in shared for _ in replicas]
+
+            def warn(differed):
+                which = sorted({name for name, d in zip(names, differed.numpy()) if d})
+                log.warning("tfdist: the compression state that every worker must hold alike "
+                            "differed on this worker from the chief's (restored from another "
+                            "checkpoint, or not restored?): %s; it now holds the chief's",
+                            ", ".join(which))
+                return tf.constant(0)
+
+            warned = tf.cond(tf.reduce_any(differed),
+                             lambda: tf.py_function(warn, [differed], tf.int32),
+                             lambda: tf.constant(0))
+            with tf.control_dependencies([warned]):
+                updates = [v[r].assign(values[r][j]) for j, (_, v) in enumerate(shared)
+                           for r in replicas]
+                updates += [flags[r].assign(0) for r in replicas]
+            return tf.group(updates)
+
+        return tf.cond(pending, broadcast, tf.no_op)
 
 
 def compression_logs(stats):

@@ -105,8 +105,8 @@ class PowerSGDCompressor(Compressor):
 
     # The two-round exchange.
 
-    def exchange(self, tensors, states, communicator, key):
-        del key
+    def exchange(self, tensors, states, communicator, key, dtypes=None):
+        del key, dtypes  # the factors travel in float32 (`payload_dtypes`)
         devices = communicator.devices
         replicas = range(len(devices))
         matrices, compensated = [], []

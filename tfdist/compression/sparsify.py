@@ -96,6 +96,12 @@ def _without(compensated, indices, sent=None):
     return tf.reshape(flat, compensated.shape)
 
 
+def _rounded(values, dtype):
+    """Sent `values` in `dtype` if they travel in a narrower one (their rounding is then
+    left in the residual), else None (the elements were sent exactly)."""
+    return None if values.dtype == dtype else tf.cast(values, dtype)
+
+
 class TopKCompressor(Compressor):
     """Top-k sparsification (Aji & Heafield 2017; Stich et al. 2018) with error feedback.
 
@@ -136,7 +142,7 @@ class TopKCompressor(Compressor):
 
     def _residual(self, compensated, payload, key):
         del key
-        return _without(compensated, payload[1])
+        return _without(compensated, payload[1], _rounded(payload[0], compensated.dtype))
 
     def payload_dtypes(self, dtype, shape=None):
         size = None if shape is None else _num_elements(shape)
@@ -162,6 +168,7 @@ class RandomKCompressor(Compressor):
 
     name = "randomk"
     linear = True
+    shared_key = True
 
     def __init__(self, ratio=0.01, seed=0, error_feedback=True, **kwargs):
         super().__init__(error_feedback=error_feedback, **kwargs)
@@ -197,7 +204,8 @@ class RandomKCompressor(Compressor):
         return _sum_at(indices, tf.cast(payload[0], dtype), shape)
 
     def _residual(self, compensated, payload, key):
-        return _without(compensated, self._indices(compensated.shape.num_elements(), key))
+        return _without(compensated, self._indices(compensated.shape.num_elements(), key),
+                        _rounded(payload[0], compensated.dtype))
 
     def payload_bytes(self, shape, dtype):
         return num_selected(_num_elements(shape), self.ratio) * tf.as_dtype(dtype).size

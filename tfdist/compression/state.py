@@ -21,6 +21,7 @@ finds the shared state there and starts its own residuals from zero.
 """
 
 import io
+import itertools
 import json
 import logging
 import weakref
@@ -45,7 +46,12 @@ def _key_name(key, positions):
     if isinstance(key, str):
         return key
     _, paths, shape = key
-    names = [f"#{positions[p]}" if p in positions else p for p in paths]
+    names = []
+    for path in paths:
+        # A part of a variable (the parameter-server path splits one by rows) is its path
+        # then `@begin:end`.
+        base, at, rows = path.partition("@")
+        names.append((f"#{positions[base]}" if base in positions else base) + at + rows)
     return "+".join(names) + "[" + ",".join(str(d) for d in shape) + "]"
 
 
@@ -69,6 +75,7 @@ class CompressionState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
         self._replicated = {}  # key -> names every replica holds alike
         # Saved name -> value, restored for state not made yet (None: nothing restored).
         self._pending = None
+        self._sync_pending = None  # per replica: 1 until replicated state was broadcast
 
     # Variables ------------------------------------------------------------------------------
 
@@ -96,6 +103,35 @@ class CompressionState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
         self._pending = None
         for key in self.variables:
             self._assign(key, {})
+        self._mark_unsynchronized()
+
+    @property
+    def replica_offset(self):
+        """The global number of this process's first replica."""
+        return self._replica_offset
+
+    def replicated(self, key):
+        """The names of `key`'s state that every replica holds alike."""
+        return self._replicated[key]
+
+    def sync_flags(self):
+        """Per local replica, an int64 flag that is 1 from the state's start, a restore or a
+        reset until the exchange has made the replicated state the same on every worker
+        (not saved: a restored state is one to check)."""
+        if self._sync_pending is None:
+            with tf.init_scope(), self._strategy.scope():
+                self._sync_pending = tf.Variable(
+                    tf.ones([], tf.int64), trainable=False, name="tfdist_sync_pending",
+                    synchronization=tf.VariableSynchronization.ON_READ,
+                    aggregation=tf.VariableAggregation.NONE)
+        return self._strategy.experimental_local_results(self._sync_pending)
+
+    def _mark_unsynchronized(self):
+        if self._sync_pending is not None:
+            with tf.init_scope():
+                for component in self._strategy.experimental_local_results(
+                        self._sync_pending):
+                    component.assign(1)
 
     # Saving ---------------------------------------------------------------------------------
 
@@ -143,6 +179,7 @@ class CompressionState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
         self._pending = dict(values)
         for key in self.variables:
             self._assign(key, values)
+        self._mark_unsynchronized()
 
     def _assign(self, key, values):
         """Sets `key`'s state to its entries in `values`, or to its start; the entries used
@@ -237,6 +274,59 @@ def state_of(optimizer, strategy, replica_offset=0, codec=None):
         state = CompressionState(strategy, replica_offset, optimizer, codec)
         setattr(optimizer, ATTRIBUTE, state)
     return state
+
+
+class StateRegistry:
+    """The codec states of the optimizers made under one strategy, in order of creation.
+
+    A state lives as long as its optimizer (the registry holds it weakly).
+
+    Args:
+      strategy: the container strategy.
+      compressor: the strategy's compressor (its class and config are saved with the state).
+      replica_offset: a function returning the global number of this process's first
+        replica (known once the strategy has joined its cluster).
+    """
+
+    def __init__(self, strategy, compressor, replica_offset):
+        self._strategy = weakref.ref(strategy)
+        self._codec = json.loads(json.dumps(
+            {"class": type(compressor).__name__, "config": compressor.get_config()}))
+        self._replica_offset = replica_offset
+        self._states = weakref.WeakValueDictionary()
+        self._count = itertools.count()
+        self._default = None
+
+    def state_of(self, optimizer):
+        """The state of `optimizer` (None: one state of the strategy's own)."""
+        if optimizer is None:
+            if self._default is None:
+                self._default = CompressionState(self._strategy(), self._replica_offset(),
+                                                 None, self._codec)
+                self._states[next(self._count)] = self._default
+            return self._default
+        state = state_of(optimizer, self._strategy(), self._replica_offset(), self._codec)
+        if state not in self._states.values():
+            self._states[next(self._count)] = state
+        return state
+
+    def attach(self, optimizer):
+        """Gives `optimizer` (the one making a variable under the strategy, or None) its
+        state before its first step, so that loading a file or a checkpoint before it finds
+        the state. (Keras's saving makes a bare `Optimizer` to learn which attributes to
+        skip: it gets none.)"""
+        if optimizer is not None and type(optimizer).__name__ != "Optimizer":
+            self.state_of(optimizer)
+
+    def states(self):
+        """The states that hold state (a LossScaleOptimizer's own holds none: its inner
+        optimizer's gradients are coded)."""
+        states = [self._states.get(i) for i in sorted(self._states.keys())]
+        return [s for s in states if s is not None and (s.variables or s.values())]
+
+    def reset(self):
+        for state in self.states():
+            state.reset()
 
 
 def unique_names(names):

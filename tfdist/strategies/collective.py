@@ -14,10 +14,8 @@ strategy's `reduce` accepts both. No Keras code is patched.
 """
 
 import itertools
-import json
 import logging
 import os
-import weakref
 
 import tensorflow as tf
 
@@ -53,43 +51,31 @@ class _CompressedExchangeMixin:
                           else GradientExchange(compressor, self._container_strategy()))
         self._compression_trace = None  # the outermost step being traced: stats written?
         self._stats = None
-        # The codec states of the optimizers made under this strategy (alive: a state lives
-        # as long as its optimizer).
-        self._states = weakref.WeakValueDictionary()  # in order of creation
-        self._state_count = itertools.count()
+        self._codec_states = (None if compressor is None else compression_state.StateRegistry(
+            self._container_strategy(), compressor, self._replica_offset))
 
     @property
     def compressor(self):
         return None if self._exchange is None else self._exchange.compressor
 
+    def reset_compression_state(self):
+        if self._codec_states is not None:
+            self._codec_states.reset()
+
     def _replica_offset(self):
         """The global number of this process's first replica."""
         return getattr(self, "_id_in_cluster", 0) * len(self.worker_devices)
 
-    def _state_of(self, optimizer):
-        compressor = self._exchange.compressor
-        codec = {"class": type(compressor).__name__, "config": compressor.get_config()}
-        state = compression_state.state_of(optimizer, self._container_strategy(),
-                                           self._replica_offset(), json.loads(json.dumps(codec)))
-        if state not in self._states.values():
-            self._states[next(self._state_count)] = state
-        return state
-
     def _create_variable(self, next_creator, **kwargs):
         # An optimizer made under this strategy gets its codec state when it makes its
-        # first variable, so that loading a file or a checkpoint before the first step finds
-        # it. (Keras's saving makes a bare `Optimizer` to learn which attributes to skip.)
-        if self._exchange is not None:
-            optimizer = _tf_compat.keras_optimizer_in_scope()
-            if optimizer is not None and type(optimizer).__name__ != "Optimizer":
-                self._state_of(optimizer)
+        # first variable.
+        if self._codec_states is not None:
+            self._codec_states.attach(_tf_compat.keras_optimizer_in_scope())
         return super()._create_variable(next_creator, **kwargs)
 
     def compression_states(self):
-        """The codec states of the optimizers made under this strategy that hold state
-        (a LossScaleOptimizer's own holds none: its inner optimizer's gradients are coded)."""
-        states = [self._states.get(i) for i in sorted(self._states.keys())]
-        return [s for s in states if s is not None and (s.variables or s.values())]
+        """The codec states of the optimizers made under this strategy that hold state."""
+        return [] if self._codec_states is None else self._codec_states.states()
 
     def _stats_variables(self):
         """Step statistics, written where the gradients are exchanged and read where the
@@ -108,6 +94,13 @@ class _CompressedExchangeMixin:
         outer = self._compression_trace is None
         if outer:
             self._compression_trace = {"written": False}
+            if self._exchange is not None:
+                # A step whose exchange does not run logs 0 bytes, not the last step's: a
+                # LossScaleOptimizer skips a step with non-finite gradients before it
+                # all-reduces them (Keras decides on replica 0's gradients, in a cond whose
+                # other branch only lowers the scale), so nothing of the step travels.
+                for variable in self._stats_variables().values():
+                    variable.assign(tf.zeros([], tf.int64))
         try:
             result = super()._call_for_each_replica(fn, args, kwargs)
         finally:
@@ -225,7 +218,8 @@ class _CompressedExchangeMixin:
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
         reduced = iter(self._compressed_sum(
             reduce_op, [row for row, s in zip(local, sparse) if not s], options,
-            [name for name, s in zip(names, sparse) if not s], self._state_of(optimizer)))
+            [name for name, s in zip(names, sparse) if not s],
+            self._codec_states.state_of(optimizer)))
         if any(sparse):
             sparse_reduced = iter(super()._batch_reduce_to(
                 reduce_op, [p for p, s in zip(value_destination_pairs, sparse) if s], options))
@@ -261,8 +255,7 @@ class _CompressedStrategyMixin:
         ModelCheckpoint, BackupAndRestore, `tf.train.Checkpoint`): reset it when the model is
         given weights that the residuals do not belong to.
         """
-        for state in self.extended.compression_states():
-            state.reset()
+        self.extended.reset_compression_state()
 
 
 class CompressedMirroredExtended(_CompressedExchangeMixin, _tf_compat.MirroredExtended):

@@ -27,6 +27,7 @@ from tfdist import compression as compression_lib
 from tfdist.cluster.network import CONNECT_TIMEOUT_ENV
 from tfdist.cluster.network import INIT_TIMEOUT_ENV
 from tfdist.cluster.network import timeout_from_env
+from tfdist.compression import state as compression_state
 from tfdist.compression.base import sum_payload_bytes
 from tfdist.compression.exchange import compression_logs
 from tfdist.ps import placement
@@ -201,6 +202,10 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         self._optimizer = None
         self._left = False
         self._bases = {}  # model averaging with compression: each shard's last average
+        # Each push unit's error-feedback residual (and other codec state), kept with the
+        # optimizer so that Keras files and checkpoints save it (one replica: this worker).
+        self._codec_states = (None if compressor is None else compression_state.StateRegistry(
+            container_strategy, compressor, lambda: connection.rank))
         num_ps, host = connection.num_ps, connection.host_device
         with tf.init_scope(), tf.device(host):
             # The global step of each shard's weights this worker holds (its pushes' tags).
@@ -242,6 +247,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         return protocol.GRADIENT if kwargs.get("trainable", True) else protocol.VALUE
 
     def _create_variable(self, next_creator, **kwargs):
+        if self._codec_states is not None:
+            self._codec_states.attach(_tf_compat.keras_optimizer_in_scope())
         if (kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ
                 or self._clients is not None):
             # Metric state, and anything made after the run started, stays with the worker.
@@ -411,7 +418,6 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                 dtypes = (protocol.compressed_push_dtypes(layout, self._compressor)
                           if self._compressor else [tf.float32])
                 client.open_push_queue(dtypes, len(layout.sparse))
-            self._residuals = [None] * len(clients)
             self._pull()
 
     def _build_outer(self):
@@ -661,18 +667,23 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
 
     def _compress(self, shard, flat, tag):
         """Compresses this worker's part for `shard`, variable by variable where the codec's
-        scale is each tensor's own (`protocol.push_units`); residuals stay with the worker."""
+        scale is each tensor's own (`protocol.push_units`). The residuals stay with the
+        worker, in its optimizer's `CompressionState`, keyed by the parts' paths (and rows)."""
         compressor = self._compressor
         layout = self._layouts[shard]
-        if self._residuals[shard] is None:
-            units, _ = protocol.push_units(layout, compressor)
-            with tf.init_scope(), tf.device(self._device):
-                self._residuals[shard] = [
-                    {name: tf.Variable(value, trainable=False, name=f"tfdist_{name}")
-                     for name, value in compressor.initial_state(
-                         [sum(layout.main_sizes[i] for i in unit)], tf.float32).items()}
-                    for unit in units]
-        states = self._residuals[shard]
+        units, _ = protocol.push_units(layout, compressor)
+        state = self._codec_states.state_of(self._optimizer)
+        states = []
+        for unit in units:
+            size = sum(layout.main_sizes[i] for i in unit)
+            paths = tuple(layout.main[i]["path"] + (
+                "" if layout.main[i].get("rows") is None else
+                "@{}:{}".format(*layout.main[i]["rows"])) for i in unit)
+            variables = state.get(
+                ("unit", paths, (size,)),
+                lambda size=size: compressor.initial_state([size], tf.float32),
+                replicated=compressor.replicated_state)
+            states.append({name: components[0] for name, components in variables.items()})
         key = push_key(tag, self._connection.rank, shard, self._connection.num_workers)
         payload, new_states = protocol.encode_push(
             layout, compressor, flat, [{n: v.read_value() for n, v in unit.items()}
@@ -825,6 +836,14 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                 return
             time.sleep(0.1)
 
+    def compression_states(self):
+        """The codec states (push residuals) of the optimizers made under this strategy."""
+        return [] if self._codec_states is None else self._codec_states.states()
+
+    def reset_compression_state(self):
+        if self._codec_states is not None:
+            self._codec_states.reset()
+
     def progress(self):
         if self._clients is None:
             return protocol.progress_dict([0] * protocol.num_stats(self._connection.num_workers),
@@ -861,6 +880,15 @@ class ParameterServerStrategyBase(WorkerTasksMixin, tf.distribute.Strategy):
         `timeout` seconds, None: as long as they are alive), so that the weights are final.
         """
         self.extended.leave(wait=self.is_chief, timeout=timeout)
+
+    def reset_compression_state(self):
+        """Sets this worker's codec state (the push's error-feedback residuals) back to zero.
+
+        The state is saved and restored with the optimizer (`model.save`, ModelCheckpoint,
+        BackupAndRestore, `tf.train.Checkpoint`): reset it when the model is given weights
+        that the residuals do not belong to.
+        """
+        self.extended.reset_compression_state()
 
     def placement(self):
         """Where the master variables live, once training has started: a list with, per ps
