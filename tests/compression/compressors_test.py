@@ -103,6 +103,28 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
                 self.assertGreater(float(tf.reduce_max(tf.abs(new_state["residual"]) * tf.cast(
                     sent != 0, tf.float32))), 0)
 
+    @parameterized.parameters(["fp16", "topk", "randomk", "dgc"])
+    def test_a_residual_past_float16s_range_is_sent_saturated_and_kept(self, name):
+        # A float32 residual may grow past float16's 65504 (an element left out for many
+        # steps): the payload carries float16's largest and the memory keeps the excess,
+        # instead of sending +inf and keeping -inf (then NaN, for good).
+        config = {"error_feedback": True} if name == "fp16" else {"ratio": 0.5}
+        if name == "dgc":
+            config["momentum"] = 0.0
+        compressor = tfdist.compression.get(name, **config)
+        key = tf.constant([0, 0], tf.int64)
+        x = tf.constant([1.0, -2.0, 3.0, 4.0])
+        memory = "accumulation" if name == "dgc" else "residual"
+        state = compressor.initial_state(x.shape, x.dtype)
+        state[memory] = tf.constant([7e4, -7e4, 7e4, -7e4])
+        for _ in range(3):
+            payload, new_state = compressor.compress(x, state, key, dtype=tf.float16)
+            sent = compressor.decompress(payload, x.shape, tf.float32, key)
+            self.assertAllLessEqual(tf.abs(sent), 65504.0)
+            self.assertTrue(np.all(np.isfinite(new_state[memory].numpy())), name)
+            self.assertAllClose(sent + new_state[memory], x + state[memory], rtol=0, atol=0)
+            state = new_state
+
     @parameterized.parameters(GENERIC_MEMORY)
     def test_error_feedback_invariant(self, name):
         compressor = tfdist.compression.get(name, error_feedback=True)
@@ -146,17 +168,20 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
             decoded = compressor.decompress(payload, x.shape, x.dtype, key)
             self.assertFalse(np.all(np.isfinite(decoded.numpy())), f"{name} with {bad}")
 
-    def test_dgc_accumulation_invariant(self):
+    @parameterized.parameters([None, tf.float16])
+    def test_dgc_accumulation_invariant(self, payload_dtype):
+        # (Values that travel in float16 leave their rounding in the accumulation.)
         compressor = tfdist.compression.get("dgc", ratio=0.05, momentum=0.9)
         x = tf.random.stateless_normal([50, 20], seed=[9, 1])
         state = compressor.initial_state(x.shape, x.dtype)
         state["velocity"] = tf.random.stateless_normal(x.shape, seed=[2, 2])
         state["accumulation"] = tf.random.stateless_normal(x.shape, seed=[3, 3])
-        payload, new_state = compressor.compress(x, state)
+        payload, new_state = compressor.compress(x, state, dtype=payload_dtype)
+        self.assertEqual(payload[0].dtype, payload_dtype or x.dtype)
         sent = compressor.decompress(payload, x.shape, x.dtype)
         velocity = 0.9 * state["velocity"] + x
         self.assertAllClose(sent + new_state["accumulation"], state["accumulation"] + velocity,
-                            atol=1e-5)
+                            rtol=0, atol=1e-5)
         # Momentum factor masking: the velocity is cleared where a value was sent.
         self.assertAllEqual(tf.cast(sent != 0, tf.int32) * tf.cast(
             new_state["velocity"] != 0, tf.int32), tf.zeros_like(x, tf.int32))

@@ -125,6 +125,13 @@ class Compressor:
     def _decompress_sum(self, payloads, shape, dtype, key):
         return tf.add_n([self._decompress(p, shape, dtype, key) for p in payloads])
 
+    def _keep_rounding(self, new_state, exact, sent):
+        """A compressor with its own memory (`own_memory`): `new_state` from `_compress`
+        given that its payload `exact` travels as `sent` (in a narrower dtype), so that the
+        memory keeps what the rounding left out, as `ErrorFeedback` does for the others."""
+        del exact, sent
+        return new_state
+
     def payload_dtypes(self, dtype, shape=None):
         """The dtypes of a payload's tensors, for a gradient of `dtype` (and `shape`: index
         payloads of tensors past 2^31 elements are int64)."""
@@ -182,7 +189,10 @@ class Compressor:
             tensor = self.memory.compensate(tensor, state["residual"])
         payload, new_state = self._compress(tensor, state, key)
         if dtype is not None and tf.as_dtype(dtype) != tensor.dtype:
+            exact = tuple(payload)
             payload = _cast_floats(payload, self.payload_dtypes(dtype, tensor.shape))
+            if self.own_memory and self.error_feedback:
+                new_state = self._keep_rounding(new_state, exact, payload)
         new_state = {**state, **new_state}
         if memory:
             new_state["residual"] = self._residual(tensor, tuple(payload), key)
@@ -306,8 +316,22 @@ def sum_payload_bytes(payloads):
 
 def _cast_floats(payload, dtypes):
     """`payload` with each floating tensor cast to its declared floating dtype."""
-    return tuple(tf.cast(t, d) if t.dtype.is_floating and d.is_floating and t.dtype != d
-                 else t for t, d in zip(payload, dtypes))
+    return tuple(saturating_cast(t, d) if t.dtype.is_floating and d.is_floating
+                 and t.dtype != d else t for t, d in zip(payload, dtypes))
+
+
+def saturating_cast(tensor, dtype):
+    """`tensor` cast to `dtype`, a finite value past `dtype`'s range sent as its largest.
+
+    What error feedback sends then stays finite and the excess waits in its residual: a
+    residual grown past float16's 65504 would otherwise go out as an infinity and come back
+    as -inf, then NaN, for good. (A non-finite input stays non-finite.)
+    """
+    dtype = tf.as_dtype(dtype)
+    if dtype.max < tensor.dtype.max:
+        finite = tf.math.is_finite(tensor)
+        tensor = tf.where(finite, tf.clip_by_value(tensor, dtype.min, dtype.max), tensor)
+    return tf.cast(tensor, dtype)
 
 
 def _num_elements(shape):

@@ -21,6 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.compression.base import Compressor
+from tfdist.compression.base import saturating_cast
 
 # Lookup tables (byte -> its 8 bits / its 4 ternary values) are made on first use: a tensor
 # made at import would start TF's context before a multi-worker strategy configures it.
@@ -105,6 +106,8 @@ class FP16Compressor(Compressor):
         del state, key
         if tensor.dtype == self.wire_dtype:
             return (tensor,), {}
+        if self.error_feedback:  # (the excess over float16's range waits in the residual)
+            return (saturating_cast(tensor, self.wire_dtype),), {}
         return (tf.cast(tensor, self.wire_dtype),), {}
 
     def payload_dtypes(self, dtype, shape=None):

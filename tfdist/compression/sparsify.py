@@ -437,6 +437,14 @@ class DGCCompressor(TopKCompressor):
         }
         return (tf.gather(accumulation, indices), indices), new_state
 
+    def _keep_rounding(self, new_state, exact, sent):
+        # The accumulation was cleared where sent: it keeps what the rounding left out.
+        values, indices = exact[0], exact[1]
+        rounding = values - tf.cast(sent[0], values.dtype)
+        accumulation = new_state["accumulation"]
+        kept = tf.tensor_scatter_nd_add(_flat(accumulation), indices[:, None], rounding)
+        return {**new_state, "accumulation": tf.reshape(kept, accumulation.shape)}
+
     def payload_bytes(self, shape, dtype):
         if self.warmup_steps:
             size = _num_elements(shape)
