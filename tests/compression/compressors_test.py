@@ -187,6 +187,24 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
             new_state["velocity"] != 0, tf.int32), tf.zeros_like(x, tf.int32))
         self.assertEqual(int(tf.math.count_nonzero(sent)), 50)
 
+    def test_dgc_beside_an_optimizers_momentum_is_named(self):
+        # (Both strategy families log this once: the all-reduce and the ps push path.)
+        import keras
+
+        from tfdist.compression.sparsify import momentum_applied_twice
+
+        dgc = tfdist.compression.get("dgc")
+        self.assertRegex(momentum_applied_twice(dgc, keras.optimizers.Adam()),
+                         r"`dgc` applies momentum correction itself \(momentum=0.9\), and "
+                         r"the model trains with Adam \(its own moment estimates\)")
+        scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(momentum=0.5))
+        self.assertRegex(momentum_applied_twice(dgc, scaled), "SGD with momentum=0.5")
+        self.assertIsNone(momentum_applied_twice(dgc, keras.optimizers.SGD()))
+        self.assertIsNone(momentum_applied_twice(tfdist.compression.get("dgc", momentum=0.0),
+                                                 keras.optimizers.Adam()))
+        self.assertIsNone(momentum_applied_twice(tfdist.compression.get("topk"),
+                                                 keras.optimizers.Adam()))
+
     def test_dgc_warmup_lowers_density(self):
         compressor = tfdist.compression.get("dgc", ratio=0.001, warmup_steps=4,
                                             initial_ratio=0.25)

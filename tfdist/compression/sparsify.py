@@ -457,3 +457,26 @@ class DGCCompressor(TopKCompressor):
         config.update(momentum=self.momentum, clip_norm=self.clip_norm,
                       warmup_steps=self.warmup_steps, initial_ratio=self.initial_ratio)
         return config
+
+
+def momentum_applied_twice(compressor, optimizer):
+    """Why `compressor` (DGC, with its momentum correction) beside `optimizer`'s own momentum
+    applies momentum twice, which can cost accuracy (Lin et al. train DGC with plain SGD);
+    None if it does not."""
+    if not getattr(compressor, "momentum", 0) or optimizer is None:
+        return None
+    import keras
+
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    # An SGD (or a subclass) has only the momentum it is given; other optimizers keep
+    # moment estimates of their own.
+    momentum = (getattr(inner, "momentum", None)
+                if isinstance(inner, keras.optimizers.SGD) else None)
+    if momentum == 0:
+        return None
+    what = (f"SGD with momentum={momentum}" if momentum is not None
+            else f"{type(inner).__name__} (its own moment estimates)")
+    return (f"`dgc` applies momentum correction itself (momentum={compressor.momentum}), "
+            f"and the model trains with {what}: momentum is applied twice, which can cost "
+            "accuracy. Train with plain SGD (momentum=0) under dgc, as its paper does, or "
+            "give dgc momentum=0")

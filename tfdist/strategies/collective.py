@@ -22,6 +22,7 @@ import tensorflow as tf
 from tfdist import _tf_compat
 from tfdist import compression as compression_lib
 from tfdist.cluster import config as cluster_config
+from tfdist.compression import sparsify
 from tfdist.compression import state as compression_state
 from tfdist.compression.exchange import STAT_NAMES
 from tfdist.compression.exchange import GradientExchange
@@ -163,28 +164,13 @@ class _CompressedExchangeMixin:
         return optimizer, variables
 
     def _check_momentum(self, optimizer):
-        """DGC's momentum correction beside an optimizer's own momentum applies momentum
-        twice (Lin et al. train DGC with plain SGD): said once, by name."""
-        compressor = self._exchange.compressor
-        if getattr(self, "_checked_momentum", False) or not getattr(compressor, "momentum", 0):
+        """DGC beside an optimizer's own momentum: said once, by name."""
+        if getattr(self, "_checked_momentum", False):
             return
         self._checked_momentum = True
-        inner = getattr(optimizer, "inner_optimizer", optimizer)
-        import keras
-
-        # An SGD (or a subclass) has only the momentum it is given; other optimizers keep
-        # moment estimates of their own.
-        momentum = (getattr(inner, "momentum", None)
-                    if isinstance(inner, keras.optimizers.SGD) else None)
-        if momentum == 0:
-            return
-        what = (f"SGD with momentum={momentum}" if momentum is not None
-                else f"{type(inner).__name__} (its own moment estimates)")
-        log.warning(
-            "tfdist: `dgc` applies momentum correction itself (momentum=%s), and the model "
-            "trains with %s: momentum is applied twice, which can cost accuracy. Train with "
-            "plain SGD (momentum=0) under dgc, as its paper does, or give dgc momentum=0",
-            compressor.momentum, what)
+        warning = sparsify.momentum_applied_twice(self._exchange.compressor, optimizer)
+        if warning:
+            log.warning("tfdist: %s", warning)
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         strategy = self._container_strategy()

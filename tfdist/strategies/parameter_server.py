@@ -27,6 +27,7 @@ from tfdist import compression as compression_lib
 from tfdist.cluster.network import CONNECT_TIMEOUT_ENV
 from tfdist.cluster.network import INIT_TIMEOUT_ENV
 from tfdist.cluster.network import timeout_from_env
+from tfdist.compression import sparsify
 from tfdist.compression import state as compression_state
 from tfdist.compression.base import sum_payload_bytes
 from tfdist.compression.exchange import compression_logs
@@ -579,6 +580,9 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                     "tfdist parameter-server strategies train with a Keras optimizer inside "
                     "`model.fit` (or `optimizer.apply` in `strategy.run`)")
             check_optimizer(optimizer, self._mode, type(self._container_strategy()).__name__)
+            warning = sparsify.momentum_applied_twice(self._compressor, optimizer)
+            if warning:  # (the pushes are gradients: the ps applies the optimizer to them)
+                log.warning("tfdist: %s", warning)
         elif optimizer is not self._optimizer:
             raise ValueError(
                 "the train step applies another optimizer than the run's first (the model "
