@@ -475,11 +475,18 @@ class CodecStateTest(tf.test.TestCase, parameterized.TestCase):
         saved = state.values()
         residual = [n for n in saved if n.endswith("replica_1")][0]
         # Another process's replica and a replica missing from the file: the first dropped
-        # (not saved again), the second back to its start; live state takes the rest.
-        values = {**saved, residual.replace("replica_1", "replica_7"): saved[residual]}
+        # (not saved again), the second back to its start; live state takes the rest. An
+        # entry of this replica that fits no state (another model or ps layout) is said and
+        # dropped.
+        values = {**saved, residual.replace("replica_1", "replica_7"): saved[residual],
+                  "#0@0:4+#2[96]/residual/replica_0": np.ones(100, np.float32)}
         del values[residual]
         state.restore(values)
-        now = state.values()
+        with self.assertLogs("tfdist", "WARNING") as logs:
+            now = state.values()
+        self.assertRegex("\n".join(logs.output), r"1 restored compression state entry fit "
+                         r"no state .*#0@0:4\+#2\[96\]/residual/replica_0.*started over")
+        self.assertNotIn("#0@0:4+#2[96]/residual/replica_0", now)
         self.assertNotIn(residual.replace("replica_1", "replica_7"), now)
         self.assertAllEqual(now[residual], np.zeros_like(saved[residual]))
         other = residual.replace("replica_1", "replica_0")

@@ -148,6 +148,8 @@ class CompressionState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
     def values(self):
         """`{saved name: numpy value}` of this process's state (and of values restored
         for state not made yet)."""
+        if self._pending and self.variables:
+            self._drop_unmatched()
         values = dict(self._pending or {})
         positions = self._positions()
         for key, variables in self.variables.items():
@@ -161,6 +163,19 @@ class CompressionState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
                     values[self._saved_name(key, name, self._replica_offset + r,
                                             positions)] = component.numpy()
         return values
+
+    def _drop_unmatched(self):
+        """Once the model's state is made, restored entries that fit none of it (a model or
+        a ps layout other than the one saved: the push units of the parameter-server path
+        are named by the variables and rows each ps task holds) are said and dropped, not
+        carried into every later file; the state they would have filled started over."""
+        names = sorted(self._pending)
+        log.warning("tfdist: %d restored compression state entr%s fit no state of this model "
+                    "(saved for another model, or another number of ps tasks: %s%s); that "
+                    "state started over, and the entries are dropped", len(names),
+                    "y" if len(names) == 1 else "ies", ", ".join(names[:3]),
+                    ", ..." if len(names) > 3 else "")
+        self._pending = {}
 
     def restore(self, values, codec=None):
         """Replaces the state with saved `values` (from `values()`): state that exists takes
