@@ -80,15 +80,28 @@ def keras_gradient_all_reduce(strategy):
     Keras 3's TF optimizer sums the gradients in `_all_reduce_sum_gradients`, through the
     replica context, just after it pairs them with their variables
     (`filtered_grads_and_vars`); under MirroredStrategy the replicas run in threads of their
-    own and the sum in the caller's thread, so the frame is found on the stack of any thread
-    (a replica waiting for the sum). Keras offers no public hook for it.
+    own and the sum in the caller's thread, so the frame is found on the stack of this thread
+    or of the replica threads of the `strategy.run` this thread is running (TF's
+    `_call_for_each_replica` holds them): another thread training with the same strategy at
+    the same time is not looked at. Keras offers no public hook for it.
     """
     import sys
 
     import keras
 
+    stacks = sys._current_frames()
+    here = sys._getframe(1)
+    frames = [here]
+    frame = here
+    while frame is not None:
+        if frame.f_code.co_name == "_call_for_each_replica":
+            for thread in frame.f_locals.get("threads") or ():
+                replica = stacks.get(getattr(thread, "ident", None))
+                if replica is not None:
+                    frames.append(replica)
+        frame = frame.f_back
     found = None
-    for frame in sys._current_frames().values():
+    for frame in frames:
         while frame is not None:
             if frame.f_code.co_name == "_all_reduce_sum_gradients":
                 optimizer = frame.f_locals.get("self")

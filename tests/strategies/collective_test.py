@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+import threading
 
 import keras
 import numpy as np
@@ -598,6 +599,44 @@ class RegistryAndErrorsTest(tf.test.TestCase):
     def test_unknown_compressor_is_named(self):
         with self.assertRaisesRegex(ValueError, "Unknown compressor 'zip'. Valid names"):
             tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression="zip")
+
+    def test_a_gradient_sum_in_another_thread_is_not_taken_for_this_one(self):
+        # Another thread summing gradients with the same strategy (a second fit in a thread
+        # of its own) must not make this thread's all-reduce look like a gradient exchange:
+        # only this thread and the replica threads of its own `strategy.run` are looked at.
+        from tfdist import _tf_compat
+
+        strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES, compression="topk")
+        with strategy.scope():
+            optimizer = keras.optimizers.SGD()
+            variable = tf.Variable(1.0)
+        inside, leave = threading.Event(), threading.Event()
+
+        class Optimizer(type(optimizer)):
+            def _all_reduce_sum_gradients(self, filtered_grads_and_vars):
+                inside.set()
+                leave.wait(30)
+
+        optimizer.__class__ = Optimizer
+        other = threading.Thread(target=optimizer._all_reduce_sum_gradients,
+                                 args=([(tf.constant(1.0), variable)],))
+        other.start()
+        try:
+            self.assertTrue(inside.wait(30))
+            self.assertIsNone(_tf_compat.keras_gradient_all_reduce(strategy))
+            # The same frame on this thread's own stack is found.
+
+            class Summing(type(optimizer)):
+                def _all_reduce_sum_gradients(self, filtered_grads_and_vars):
+                    return _tf_compat.keras_gradient_all_reduce(strategy)
+
+            optimizer.__class__ = Summing
+            found = optimizer._all_reduce_sum_gradients([(tf.constant(1.0), variable)])
+            self.assertIs(found[0], optimizer)
+            self.assertEqual(found[1], [variable])
+        finally:
+            leave.set()
+            other.join(30)
 
     def test_tf_config_with_ps_is_refused(self):
         config = {"cluster": {"worker": ["localhost:2000"], "ps": ["localhost:2001"]},
