@@ -239,6 +239,31 @@ def network_section(result):
     return parts
 
 
+def sgp_network_section(result):
+    """Stochastic Gradient Push against uncompressed all-reduce on a rate-limited network
+    (`benchmarks/network.py --sgp`, its own run)."""
+    parts = ["## Stochastic Gradient Push on a slow network", "",
+             f"`benchmarks/network.py --sgp --compressors=none`: {result['job']}; "
+             f"{result['network']}; {result['machine']}. Median seconds per step of the chief "
+             f"over {result.get('timing_steps', '?')} steps, both rows in the same run; "
+             "speed-up = all-reduce's step time over SGP's. Wire bytes: what one worker sends "
+             "and receives per step (SGP: its one message out, one in); ratio: the dense ring "
+             "all-reduce's over it." + _load_text(result), ""]
+    rows = []
+    for setting, row in sorted(result.get("timing", {}).items()):
+        for name, label in (("none", "all-reduce (MultiWorkerMirrored), uncompressed"),
+                            ("sgp", "SGP (exponential graph, 1 peer, overlap)")):
+            r = row.get(name, {})
+            rows.append([setting, label,
+                         f"{r['seconds_per_step']:.3f}" if "seconds_per_step" in r else
+                         (r.get("error", "")[:80] or ""),
+                         f"{r['speedup']:.2f}x" if "speedup" in r else "",
+                         f"{int(r['bytes_on_wire']):,} ({r['compression_ratio']:.2f}x)"
+                         if "bytes_on_wire" in r else ""])
+    return parts + [_table(["network, N", "strategy", "s/step", "speed-up", "wire bytes/step"],
+                           rows), ""]
+
+
 def rates_section(rates):
     parts = ["## Update rates, every strategy on one job", "",
              f"{rates['num_workers']} workers, {rates['job']}, {rates['network']}; global "
@@ -400,6 +425,8 @@ def write_report(straggler, quality, scaling, capacity_result, compression, rate
     parts += compression_section(compression)
     if os.path.exists(_path("network.json")):
         parts += network_section(_load("network.json"))
+    if os.path.exists(_path("network_sgp.json")):
+        parts += sgp_network_section(_load("network_sgp.json"))
     with open(_path("report.md"), "w") as f:
         f.write("\n".join(parts))
 
