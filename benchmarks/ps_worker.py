@@ -16,6 +16,7 @@ import time
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf
 from absl import app
 from absl import flags
 
@@ -41,10 +42,14 @@ flags.DEFINE_integer("steps_per_execution", 1, "Keras `steps_per_execution`.", l
 class _Pace(keras.callbacks.Callback):
     """Slows the straggler, records step times, and stops when the chief says so."""
 
-    def __init__(self, delay, stop_file, steps_per_call, stall=None):
+    def __init__(self, delay, stop_file, steps_per_call, stall=None, lockstep=False):
         super().__init__()
         self.delay, self.stop_file, self.steps_per_call = delay, stop_file, steps_per_call
         self.stall = stall  # (every, offset, seconds) or None
+        # All-reduce workers step together: they stop at the step the chief names in the
+        # stop file, not each at the step it sees the file (a worker that left would leave
+        # the others in a collective, and their run ends in a coordination-service error).
+        self.lockstep, self._stop_at = lockstep, None
         self.step_times, self._last, self.steps, self.stalls = [], None, 0, 0
 
     def on_train_batch_end(self, batch, logs=None):
@@ -64,7 +69,12 @@ class _Pace(keras.callbacks.Callback):
             self.step_times.append((now - self._last) / self.steps_per_call)
         self._last = now
         self.steps += self.steps_per_call
-        if os.path.exists(self.stop_file):
+        if self._stop_at is None and os.path.exists(self.stop_file):
+            with open(self.stop_file) as f:
+                text = f.read().strip()
+            if text or not self.lockstep:  # (the chief may not have written it yet)
+                self._stop_at = int(text) if self.lockstep else 0
+        if self._stop_at is not None and self.steps >= self._stop_at:
             self.model.stop_training = True
 
 
@@ -104,7 +114,12 @@ def _measure(strategy, pace, out_dir):
         figures["bytes_sent_per_step"] = gossip["bytes_sent"] / max(gossip["step"], 1)
     with open(os.path.join(out_dir, "rate.json"), "w") as f:
         json.dump(figures, f)
-    open(os.path.join(out_dir, "stop"), "w").close()
+    # The step to stop at: a margin past the chief's step for the all-reduce workers, which
+    # are at most a step apart (the others stop when they see the file).
+    stop = os.path.join(out_dir, "stop")
+    with open(stop + ".tmp", "w") as f:
+        f.write(str(pace.steps + 20 * pace.steps_per_call))
+    os.replace(stop + ".tmp", stop)
 
 
 def main(argv):
@@ -134,8 +149,10 @@ def main(argv):
     if FLAGS.stall_every and rank in stalling:
         offset = stalling.index(rank) * FLAGS.stall_every // len(stalling)
         stall = (FLAGS.stall_every, offset, FLAGS.stall_seconds)
+    lockstep = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     pace = _Pace(FLAGS.straggler_delay if rank == FLAGS.straggler_rank else 0.0,
-                 os.path.join(FLAGS.out_dir, "stop"), FLAGS.steps_per_execution, stall)
+                 os.path.join(FLAGS.out_dir, "stop"), FLAGS.steps_per_execution, stall,
+                 lockstep)
     if rank == 0:
         threading.Thread(target=_measure, args=(strategy, pace, FLAGS.out_dir),
                          daemon=True).start()
