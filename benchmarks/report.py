@@ -247,13 +247,18 @@ def sgp_network_section(result):
              f"{result['network']}; {result['machine']}. Median seconds per step of the chief "
              f"over {result.get('timing_steps', '?')} steps, both rows in the same run; "
              "speed-up = all-reduce's step time over SGP's. Wire bytes: what one worker sends "
-             "and receives per step (SGP: its one message out, one in); ratio: the dense ring "
+             "and receives per step (SGP: its one message out, one in; all-reduce: the dense "
+             "ring's 2 x 2 (N - 1) / N x 4 bytes per parameter, computed); ratio: the dense ring "
              "all-reduce's over it." + _load_text(result), ""]
     rows = []
     for setting, row in sorted(result.get("timing", {}).items()):
         for name, label in (("none", "all-reduce (MultiWorkerMirrored), uncompressed"),
                             ("sgp", "SGP (exponential graph, 1 peer, overlap)")):
-            r = row.get(name, {})
+            r = dict(row.get(name, {}))
+            if name == "none" and "parameters" in r:  # (no Keras log of it uncompressed)
+                n = r["workers"]
+                r.update(bytes_on_wire=2 * 2 * (n - 1) / n * 4 * r["parameters"],
+                         compression_ratio=1.0)
             rows.append([setting, label,
                          f"{r['seconds_per_step']:.3f}" if "seconds_per_step" in r else
                          (r.get("error", "")[:80] or ""),
@@ -276,10 +281,13 @@ def rates_section(rates):
     for name, row in rates["rows"].items():
         rate = row["updates_per_second"]
         peer = row.get("ratio_to_tf_keras_pss")
-        rows.append([name, "error" if rate is None else f"{rate:.1f}",
+        runs = " / ".join(f"{run['updates_per_second']:.1f}" if "updates_per_second" in run
+                          else "error" for run in row.get("runs", []))
+        rows.append([name, "error" if rate is None else f"{rate:.1f}", runs,
                      f"{row['ratio_to_mwms']:.2f}" if "ratio_to_mwms" in row else "",
                      f"{peer:.2f}" if peer else ""])
-    parts += [_table(["mode", "updates/s", "vs all-reduce", "vs tf_keras PSS"], rows), ""]
+    parts += [_table(["mode", "updates/s", "each run", "vs all-reduce", "vs tf_keras PSS"],
+                     rows), ""]
     held = ", ".join(f"{k}: {' / '.join(str(b) for b in v)} bytes"
                      for k, v in rates["bytes_per_ps_task"].items())
     parts += [f"Bytes one push of a worker carries to each ps task (its reply carries as "
@@ -313,7 +321,11 @@ def straggler_section(straggler):
              f"{straggler['slowdown']:g}x slower at every step."
              + (f" Transient: the last worker stalls for {straggler['stall_steps']:g} of its "
                 f"step times once every {every} steps. Rotating: every worker stalls so, in "
-                "turn. \"paid\": the ratio if everyone paid every stall in full."
+                "turn. \"paid\": the ratio if everyone paid every stall in full, K t / (K t + n d) "
+                "(t: the chief's step time without straggler, n stalls of d seconds per K "
+                "steps), what a barrier (hard sync, all-reduce) pays; for soft sync and async, "
+                "whose t is not a worker's step, only a scale. On 2 shared cores a stalled "
+                "worker also frees a core for the others: ratios above 1 are that and noise."
                 if len(scenarios) > 1 else "")
              + _load_text(straggler), ""]
     header = ["mode", "no straggler (updates/s)"]
