@@ -549,8 +549,13 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
         step waits for every message sent to it at that step (synchronous SGP).
       max_delay: with `overlap`, how many steps late a message may be taken (default 1).
       final_average: `join()` (and exit) ends with one exact average of every worker's
-        model, x summed over the workers divided by w summed, so that all end on the same
-        weights.
+        model, x summed over the workers divided by w summed, and the model's float variables
+        that the steps do not gossip (BatchNormalization's moving statistics) by their plain
+        mean, so that all end on the same weights. It runs in `join()`, not at the end of
+        `fit` (see the README for why).
+
+    The push-sum weight and the step count are saved with the model's optimizer (Keras files
+    and `tf.train.Checkpoint`, at `optimizer/tfdist_gossip_state`) and restored with it.
       cluster: a `tfdist.cluster.ClusterConfig`, TF_CONFIG dict / JSON, a cluster resolver,
         or None to read TF_CONFIG. Chief and worker tasks only (`--num_ps=0`).
       connect_timeout: seconds the peers get to start listening (None: the
