@@ -31,6 +31,7 @@ import time
 
 from absl import app
 from absl import flags
+from machine import load_note
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", os.path.join("benchmarks", "results", "network"),
@@ -49,6 +50,9 @@ flags.DEFINE_integer("timing_steps", 20, "Steps of each timing run.")
 flags.DEFINE_bool("without_error_feedback", True,
                   "Also run the lossy codecs' accuracy without error feedback.")
 flags.DEFINE_float("timeout", 1200.0, "Seconds one cluster run may take.")
+flags.DEFINE_bool("sgp", False, "Also time Stochastic Gradient Push (its defaults, uncompressed) "
+                  "at every bandwidth and N: the row `sgp`, its speed-up against uncompressed "
+                  "all-reduce in the same run.")
 flags.DEFINE_multi_enum("parts", ["timing", "accuracy"], ["timing", "accuracy"],
                         "Parts to run; the others are kept from an existing <out>.json.")
 
@@ -68,9 +72,12 @@ TIMING_SETTINGS = {"dgc": {"warmup_steps": 0}}
 
 
 def run(compression, workers, bandwidth, extra):
-    """One cluster run; the chief's JSON (or {"error": ...})."""
+    """One cluster run; the chief's JSON (or {"error": ...}). `compression` "sgp": Stochastic
+    Gradient Push, uncompressed."""
     from tfdist.launch import LocalCluster
 
+    if compression == "sgp":
+        compression, extra = "none", {**extra, "strategy": "sgp"}
     config = dict(SETTINGS.get(compression, {}))
     config.update(extra.pop("config", {}))
     with tempfile.TemporaryDirectory() as out_dir:
@@ -103,13 +110,16 @@ def main(argv):
 
     names = FLAGS.compressors or ["none", *[n for n in tfdist.compression.names()
                                             if n != "none"]]
+    load_before = load_note()
     results = {}
     if os.path.exists(FLAGS.out + ".json"):
         with open(FLAGS.out + ".json") as f:
             results = json.load(f)
     results.update({
         "job": "digits CNN, 1.08 M parameters, batch 32 per worker, SGD, tfdist "
-               "MultiWorkerMirroredStrategy",
+               "MultiWorkerMirroredStrategy" + (" (row sgp: StochasticGradientPushStrategy, "
+                                                 "exponential graph, 1 peer, overlap)"
+                                                 if FLAGS.sgp else ""),
         "network": "one private namespace, loopback limited by tc tbf (shared by all tasks)",
         "settings": SETTINGS, "machine": "2 cores shared by every task"})
     if "timing" in FLAGS.parts:
@@ -120,7 +130,7 @@ def main(argv):
         for bandwidth in FLAGS.bandwidths:
             for workers in map(int, FLAGS.workers):
                 row = timing[f"{bandwidth}, N={workers}"] = {}
-                for name in names:
+                for name in names + (["sgp"] if FLAGS.sgp else []):
                     if ((bandwidth, workers) != first and FLAGS.wide_compressors
                             and name not in FLAGS.wide_compressors):
                         continue
@@ -160,6 +170,7 @@ def main(argv):
         results["accuracy"] = accuracy
         results["accuracy_setting"] = {"workers": FLAGS.accuracy_workers,
                                        "epochs": FLAGS.epochs, "bandwidth": bandwidth}
+    results.update(load_before=load_before, load_after=load_note())
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(results, f, indent=1)

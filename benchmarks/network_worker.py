@@ -1,5 +1,6 @@
 """One worker of `network.py`: a 1.08 M-parameter CNN on digits under tfdist's
-MultiWorkerMirroredStrategy with one compressor, timed step by step.
+MultiWorkerMirroredStrategy with one compressor (or, `--strategy=sgp`, Stochastic Gradient
+Push with its defaults, uncompressed), timed step by step.
 
 Every worker runs this under `tfdist-launch --local` (TF_CONFIG from the launcher); the
 chief writes `<out>`: seconds per step (median over the run, first steps left out), the
@@ -27,6 +28,8 @@ flags.DEFINE_integer("max_steps", None, "Stop after this many steps (timing-only
 flags.DEFINE_integer("batch_per_worker", 32, "Batch size per worker.")
 flags.DEFINE_float("learning_rate", 0.1, "SGD learning rate.")
 flags.DEFINE_integer("seed", 0, "Seed of the weights and of the data order.")
+flags.DEFINE_enum("strategy", "multi_worker_mirrored", ["multi_worker_mirrored", "sgp"],
+                  "The strategy: all-reduce (with --compression) or Stochastic Gradient Push.")
 
 SKIP = 5  # steps left out of the timing (tracing, the first collectives)
 
@@ -60,13 +63,26 @@ def main(argv):
     config = json.loads(FLAGS.compression_config)
     compression = (None if FLAGS.compression in (None, "none")
                    else tfdist.compression.get(FLAGS.compression, **config))
-    strategy = tfdist.strategies.MultiWorkerMirroredStrategy(compression=compression)
-    workers = strategy.num_replicas_in_sync
+    gossip = FLAGS.strategy == "sgp"
+    if gossip:
+        if compression is not None:
+            raise app.UsageError("--strategy=sgp exchanges float32 models: no --compression")
+        strategy = tfdist.strategies.StochasticGradientPushStrategy()
+        workers = strategy.num_workers
+    else:
+        strategy = tfdist.strategies.MultiWorkerMirroredStrategy(compression=compression)
+        workers = strategy.num_replicas_in_sync
     keras.utils.set_random_seed(FLAGS.seed)
     x_train, x_test, y_train, y_test = digits()
     global_batch = FLAGS.batch_per_worker * workers
-    train = (tf.data.Dataset.from_tensor_slices((x_train, y_train))
-             .shuffle(len(x_train), seed=FLAGS.seed).batch(global_batch, drop_remainder=True))
+    train = tf.data.Dataset.from_tensor_slices((x_train, y_train))
+    if gossip:  # each worker its own rows, in batches of its own
+        train = (train.shard(workers, strategy.worker_index)
+                 .shuffle(len(x_train), seed=FLAGS.seed)
+                 .batch(FLAGS.batch_per_worker, drop_remainder=True))
+    else:
+        train = train.shuffle(len(x_train), seed=FLAGS.seed).batch(global_batch,
+                                                                    drop_remainder=True)
     learning_rate = FLAGS.learning_rate
     if FLAGS.compression == "dgc":  # DGC carries the momentum (lr / (1 - m) per step)
         learning_rate *= 1 - compression.momentum
@@ -87,12 +103,24 @@ def main(argv):
         callbacks.append(StopAfter(FLAGS.max_steps))
     history = model.fit(train, epochs=epochs, verbose=0, callbacks=callbacks).history
     intervals = [b - a for a, b in zip(ends[SKIP:], ends[SKIP + 1:])]
+    if gossip:
+        strategy.join()  # the final average: every worker's model the same
+        progress = strategy.progress()
+        # Sent per step, and as much received (with one peer a step, one message each way):
+        # what the all-reduce rows' bytes_on_wire counts; a dense ring all-reduce moves
+        # 2 x 2 (N - 1) / N x 4 bytes per parameter.
+        history["bytes_on_wire"] = [2 * progress["bytes_sent"] / max(progress["step"], 1)]
+        dense = 2 * 2 * (workers - 1) / workers * 4 * model.count_params()
+        history["compression_ratio"] = [dense / history["bytes_on_wire"][0]]
+        history["bytes_sent"] = [progress["bytes_sent"] / max(progress["step"], 1)]
     _, accuracy = model.evaluate(x_test, y_test, batch_size=120, verbose=0)
-    if strategy.cluster_resolver.task_type in ("chief", None) or (
-            strategy.cluster_resolver.task_type == "worker"
-            and strategy.cluster_resolver.task_id == 0):
+    if (strategy.worker_index == 0 if gossip else
+            strategy.cluster_resolver.task_type in ("chief", None) or (
+                strategy.cluster_resolver.task_type == "worker"
+                and strategy.cluster_resolver.task_id == 0)):
         result = {
             "compression": FLAGS.compression or "none", "config": config,
+            "strategy": FLAGS.strategy,
             "workers": workers, "parameters": int(model.count_params()),
             "steps": len(ends), "seconds_per_step": statistics.median(intervals),
             "loss": [float(v) for v in history["loss"]],

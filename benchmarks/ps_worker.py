@@ -1,4 +1,8 @@
-"""Worker program of the parameter-server benchmarks: digits, one optional straggler.
+"""Worker program of the parameter-server benchmarks: digits, optional stragglers.
+
+A straggler is slow at every step (`--straggler_rank`, `--straggler_delay`) or stalls now and
+then (`--stall_ranks`, `--stall_seconds` once every `--stall_every` steps; several stalling
+ranks take turns, evenly spaced in the period).
 
 Every worker trains until the chief has measured the update rate over `--window` seconds
 (after `--warmup` seconds), then stops. The chief writes `rate.json`; every worker writes its
@@ -12,6 +16,7 @@ import time
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf
 from absl import app
 from absl import flags
 
@@ -22,6 +27,10 @@ tfdist.strategies.define_flags(default="soft_sync")
 flags.DEFINE_string("out_dir", None, "Where to write results.")
 flags.DEFINE_integer("straggler_rank", -1, "Worker rank slowed down (-1: none).")
 flags.DEFINE_float("straggler_delay", 0.0, "Seconds the straggler sleeps after each step.")
+flags.DEFINE_list("stall_ranks", [], "Worker ranks that stall now and then.")
+flags.DEFINE_integer("stall_every", 0, "A stalling worker stalls after one step in this many "
+                     "(0: never).", lower_bound=0)
+flags.DEFINE_float("stall_seconds", 0.0, "Seconds of each stall.", lower_bound=0)
 flags.DEFINE_float("warmup", 4.0, "Seconds before the measurement window.")
 flags.DEFINE_float("window", 10.0, "Seconds of the measurement window.")
 flags.DEFINE_float("startup_timeout", 120.0, "Seconds the chief waits for its 20th step "
@@ -33,21 +42,39 @@ flags.DEFINE_integer("steps_per_execution", 1, "Keras `steps_per_execution`.", l
 class _Pace(keras.callbacks.Callback):
     """Slows the straggler, records step times, and stops when the chief says so."""
 
-    def __init__(self, delay, stop_file, steps_per_call):
+    def __init__(self, delay, stop_file, steps_per_call, stall=None, lockstep=False):
         super().__init__()
         self.delay, self.stop_file, self.steps_per_call = delay, stop_file, steps_per_call
-        self.step_times, self._last, self.steps = [], None, 0
+        self.stall = stall  # (every, offset, seconds) or None
+        # All-reduce workers step together: they stop at the step the chief names in the
+        # stop file, not each at the step it sees the file (a worker that left would leave
+        # the others in a collective, and their run ends in a coordination-service error).
+        self.lockstep, self._stop_at = lockstep, None
+        self.step_times, self._last, self.steps, self.stalls = [], None, 0, 0
 
     def on_train_batch_end(self, batch, logs=None):
         # Called once per `tf.function` call, which runs `steps_per_execution` steps.
         if self.delay:
             time.sleep(self.delay)
+        stalled = False
+        if self.stall is not None:
+            every, offset, seconds = self.stall
+            # (after the first 20 steps: traces and start-up first)
+            stalled = self.steps >= 20 and (self.steps + offset) % every == 0
+            if stalled:
+                time.sleep(seconds)
+                self.stalls += 1
         now = time.monotonic()
-        if self._last is not None:
+        if self._last is not None and not stalled:  # the pace between stalls
             self.step_times.append((now - self._last) / self.steps_per_call)
         self._last = now
         self.steps += self.steps_per_call
-        if os.path.exists(self.stop_file):
+        if self._stop_at is None and os.path.exists(self.stop_file):
+            with open(self.stop_file) as f:
+                text = f.read().strip()
+            if text or not self.lockstep:  # (the chief may not have written it yet)
+                self._stop_at = int(text) if self.lockstep else 0
+        if self._stop_at is not None and self.steps >= self._stop_at:
             self.model.stop_training = True
 
 
@@ -87,7 +114,12 @@ def _measure(strategy, pace, out_dir):
         figures["bytes_sent_per_step"] = gossip["bytes_sent"] / max(gossip["step"], 1)
     with open(os.path.join(out_dir, "rate.json"), "w") as f:
         json.dump(figures, f)
-    open(os.path.join(out_dir, "stop"), "w").close()
+    # The step to stop at: a margin past the chief's step for the all-reduce workers, which
+    # are at most a step apart (the others stop when they see the file).
+    stop = os.path.join(out_dir, "stop")
+    with open(stop + ".tmp", "w") as f:
+        f.write(str(pace.steps + 20 * pace.steps_per_call))
+    os.replace(stop + ".tmp", stop)
 
 
 def main(argv):
@@ -112,8 +144,15 @@ def main(argv):
         x, y = strategy.shard(x, y)
     # Enough data for the whole window: the chief's stop file ends training.
     x, y = np.tile(x, (50, 1)), np.tile(y, 50)
+    stalling = [int(r) for r in FLAGS.stall_ranks]
+    stall = None
+    if FLAGS.stall_every and rank in stalling:
+        offset = stalling.index(rank) * FLAGS.stall_every // len(stalling)
+        stall = (FLAGS.stall_every, offset, FLAGS.stall_seconds)
+    lockstep = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
     pace = _Pace(FLAGS.straggler_delay if rank == FLAGS.straggler_rank else 0.0,
-                 os.path.join(FLAGS.out_dir, "stop"), FLAGS.steps_per_execution)
+                 os.path.join(FLAGS.out_dir, "stop"), FLAGS.steps_per_execution, stall,
+                 lockstep)
     if rank == 0:
         threading.Thread(target=_measure, args=(strategy, pace, FLAGS.out_dir),
                          daemon=True).start()
@@ -123,7 +162,8 @@ def main(argv):
     times = pace.step_times[5:] or pace.step_times
     with open(os.path.join(FLAGS.out_dir, f"worker{rank}.json"), "w") as f:
         json.dump({"mean_step_seconds": float(np.mean(times)),
-                   "median_step_seconds": float(np.median(times)), "steps": pace.steps}, f)
+                   "median_step_seconds": float(np.median(times)), "steps": pace.steps,
+                   "stalls": pace.stalls}, f)
 
 
 if __name__ == "__main__":

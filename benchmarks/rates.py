@@ -24,6 +24,7 @@ import tempfile
 
 from absl import app
 from absl import flags
+from machine import load_note
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_workers", 2, "Workers M.", lower_bound=1)
@@ -104,7 +105,7 @@ def run_once(strategy_flags, num_ps, num_workers):
             tail = " | ".join(line for _, line in cluster.lines[-5:])
             return {"error": f"{result.message}: {tail}"[:500]}
         with open(os.path.join(out_dir, "rate.json")) as f:
-            return json.load(f)
+            return json.load(f) | {"load_after": load_note()["load_average_1_5_15"]}
 
 
 def main(argv):
@@ -115,6 +116,7 @@ def main(argv):
         table = {name: spec for name, spec in table.items()
                  if name == REFERENCE or any(part in name for part in FLAGS.only)}
     runs = {name: [] for name in table}
+    load_before = load_note()
     for repeat in range(FLAGS.repeats):
         for name, (strategy_flags, num_ps, workers) in table.items():
             figures = run_once(strategy_flags, num_ps, workers)
@@ -123,7 +125,8 @@ def main(argv):
             print(f"[{repeat + 1}/{FLAGS.repeats}] {name}: {shown}", flush=True)
     results = {"num_workers": m, "window_seconds": FLAGS.window, "repeats": FLAGS.repeats,
                "job": "digits MLP 64-64-10 (4,810 parameters), batch 32 per worker, SGD",
-               "network": "localhost, no limit", "rows": {}}
+               "network": "localhost, no limit", "load_before": load_before,
+               "load_after": load_note(), "rows": {}}
     for name, figures in runs.items():
         rates = [f["updates_per_second"] for f in figures if "updates_per_second" in f]
         row = {"updates_per_second": statistics.median(rates) if rates else None,

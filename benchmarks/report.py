@@ -249,26 +249,120 @@ def network_section(result):
     return parts
 
 
+def sgp_network_section(result):
+    """Stochastic Gradient Push against uncompressed all-reduce on a rate-limited network
+    (`benchmarks/network.py --sgp`, its own run)."""
+    parts = ["## Stochastic Gradient Push on a slow network", "",
+             f"`benchmarks/network.py --sgp --compressors=none`: {result['job']}; "
+             f"{result['network']}; {result['machine']}. Median seconds per step of the chief "
+             f"over {result.get('timing_steps', '?')} steps, both rows in the same run; "
+             "speed-up = all-reduce's step time over SGP's. Wire bytes: what one worker sends "
+             "and receives per step (SGP: its one message out, one in; all-reduce: the dense "
+             "ring's 2 x 2 (N - 1) / N x 4 bytes per parameter, computed); ratio: the dense ring "
+             "all-reduce's over it." + _load_text(result), ""]
+    rows = []
+    for setting, row in sorted(result.get("timing", {}).items()):
+        for name, label in (("none", "all-reduce (MultiWorkerMirrored), uncompressed"),
+                            ("sgp", "SGP (exponential graph, 1 peer, overlap)")):
+            r = dict(row.get(name, {}))
+            if name == "none" and "parameters" in r:  # (no Keras log of it uncompressed)
+                n = r["workers"]
+                r.update(bytes_on_wire=2 * 2 * (n - 1) / n * 4 * r["parameters"],
+                         compression_ratio=1.0)
+            rows.append([setting, label,
+                         f"{r['seconds_per_step']:.3f}" if "seconds_per_step" in r else
+                         (r.get("error", "")[:80] or ""),
+                         f"{r['speedup']:.2f}x" if "speedup" in r else "",
+                         f"{int(r['bytes_on_wire']):,} ({r['compression_ratio']:.2f}x)"
+                         if "bytes_on_wire" in r else ""])
+    return parts + [_table(["network, N", "strategy", "s/step", "speed-up", "wire bytes/step"],
+                           rows), ""]
+
+
 def rates_section(rates):
     parts = ["## Update rates, every strategy on one job", "",
              f"{rates['num_workers']} workers, {rates['job']}, {rates['network']}; global "
              f"updates per second on the chief over {rates['window_seconds']:g} s windows, "
              f"median of {rates['repeats']} interleaved runs. Ratios are to tfdist's "
              "MultiWorkerMirrored (all-reduce) and, for async, to tf_keras `fit` under TF's "
-             "ParameterServerStrategy (its async training) at the same steps_per_execution.", ""]
+             "ParameterServerStrategy (its async training) at the same steps_per_execution."
+             + _load_text(rates), ""]
     rows = []
     for name, row in rates["rows"].items():
         rate = row["updates_per_second"]
         peer = row.get("ratio_to_tf_keras_pss")
-        rows.append([name, "error" if rate is None else f"{rate:.1f}",
+        runs = " / ".join(f"{run['updates_per_second']:.1f}" if "updates_per_second" in run
+                          else "error" for run in row.get("runs", []))
+        rows.append([name, "error" if rate is None else f"{rate:.1f}", runs,
                      f"{row['ratio_to_mwms']:.2f}" if "ratio_to_mwms" in row else "",
                      f"{peer:.2f}" if peer else ""])
-    parts += [_table(["mode", "updates/s", "vs all-reduce", "vs tf_keras PSS"], rows), ""]
+    parts += [_table(["mode", "updates/s", "each run", "vs all-reduce", "vs tf_keras PSS"],
+                     rows), ""]
     held = ", ".join(f"{k}: {' / '.join(str(b) for b in v)} bytes"
                      for k, v in rates["bytes_per_ps_task"].items())
     parts += [f"Bytes one push of a worker carries to each ps task (its reply carries as "
               f"much back), as the runs placed the model: {held}.", ""]
+    sent = {name: row["bytes_sent_per_worker_step"] for name, row in rates["rows"].items()
+            if "bytes_sent_per_worker_step" in row}
+    if sent:
+        parts += ["Bytes an SGP worker sends per step (its messages, one per out-peer): "
+                  + ", ".join(f"{name}: {b:,.0f}" for name, b in sent.items()) + ".", ""]
     return parts
+
+
+def _load_text(results):
+    """The load average a benchmark recorded, for its section's header."""
+    if "load_before" not in results:
+        return ""
+    before, after = (results[k]["load_average_1_5_15"] for k in ("load_before", "load_after"))
+    return (f" Load average (1 / 5 / 15 min) {' / '.join(f'{x:g}' for x in before)} at the "
+            f"start, {' / '.join(f'{x:g}' for x in after)} at the end, on "
+            f"{results['load_before']['cpus']} cores shared with other jobs.")
+
+
+def straggler_section(straggler):
+    every = straggler.get("stall_every")
+    scenarios = straggler.get("scenarios", ["persistent"])
+    parts = ["## Update rate with stragglers", "",
+             f"1 ps + {straggler['num_workers']} workers (all-reduce, SGP: no ps), digits MLP "
+             "64-64-10, batch 32 per worker, localhost, no bandwidth limit. Rate = chief's "
+             f"global steps per second over {straggler['window_seconds']:g} s; ratio = rate "
+             "with the straggler / rate without, one run each. Persistent: the last worker "
+             f"{straggler['slowdown']:g}x slower at every step."
+             + (f" Transient: the last worker stalls for {straggler['stall_steps']:g} of its "
+                f"step times once every {every} steps. Rotating: every worker stalls so, in "
+                "turn. \"paid\": the ratio if everyone paid every stall in full, K t / (K t + n d) "
+                "(t: the chief's step time without straggler, n stalls of d seconds per K "
+                "steps), what a barrier (hard sync, all-reduce) pays; for soft sync and async, "
+                "whose t is not a worker's step, only a scale. On 2 shared cores a stalled "
+                "worker also frees a core for the others: ratios above 1 are that and noise."
+                if len(scenarios) > 1 else "")
+             + _load_text(straggler), ""]
+    header = ["mode", "no straggler (updates/s)"]
+    for scenario in scenarios:
+        header += [f"{scenario} (updates/s)", "ratio"]
+        if scenario != "persistent":
+            header.append("paid")
+    rows = []
+    for name, r in straggler["modes"].items():
+        if "updates_per_second" not in r.get("baseline", {}):
+            rows.append([name, "does not run: " + r.get("error", "")[:120]]
+                        + [""] * (len(header) - 2))
+            continue
+        row = [name, f"{r['baseline']['updates_per_second']:.1f}"]
+        for scenario in scenarios:
+            if scenario == "persistent":
+                done = {"run": r["straggler"], **r} if "rate_ratio" in r else {}
+            else:
+                done = r.get(scenario, {})
+            if "rate_ratio" in done:
+                row += [f"{done['run']['updates_per_second']:.1f}", f"{done['rate_ratio']:.2f}"]
+            else:
+                row += ["error", (done.get("error") or r.get("error") or "")[:60]]
+            if scenario != "persistent":
+                row.append(f"{done['ratio_if_paid']:.2f}" if "ratio_if_paid" in done else "")
+        rows.append(row)
+    return parts + [_table(header, rows), "", "![straggler](straggler.png)", ""]
 
 
 def outer_note(outer):
@@ -303,21 +397,7 @@ def write_report(straggler, quality, scaling, capacity_result, compression, rate
                   f"earlier run; see its commit): {', '.join(reused)}.", ""]
     if rates is not None:
         parts += rates_section(rates)
-    parts += ["## Update rate with one straggler", "",
-              f"1 ps + {straggler['num_workers']} workers (all-reduce: no ps), digits MLP "
-              "64-64-10, batch 32 per worker, localhost; the last worker slowed "
-              f"{straggler['slowdown']:g}x. Rate = chief's global steps per second over "
-              f"{straggler['window_seconds']:g} s.", ""]
-    rows = []
-    for name, r in straggler["modes"].items():
-        if "rate_ratio" in r:
-            rows.append([name, f"{r['baseline']['updates_per_second']:.1f}",
-                         f"{r['straggler']['updates_per_second']:.1f}",
-                         f"{r['rate_ratio']:.2f}"])
-        else:
-            rows.append([name, "does not run", "", r.get("error", "")[:120]])
-    parts += [_table(["mode", "no straggler (updates/s)", "with straggler", "ratio"], rows),
-              "", "![straggler](straggler.png)", ""]
+    parts += straggler_section(straggler)
     parts += ["## Accuracy (digits) against single-process training", "",
               f"{quality['epochs']} epochs, seeds {quality['seeds']}; mean test accuracy, "
               "difference to one process in points, mean training seconds."
@@ -367,6 +447,8 @@ def write_report(straggler, quality, scaling, capacity_result, compression, rate
     parts += compression_section(compression)
     if os.path.exists(_path("network.json")):
         parts += network_section(_load("network.json"))
+    if os.path.exists(_path("network_sgp.json")):
+        parts += sgp_network_section(_load("network_sgp.json"))
     with open(_path("report.md"), "w") as f:
         f.write("\n".join(parts))
 
@@ -376,7 +458,7 @@ def main(argv):
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     if _needed("rates.json"):
         _run("rates.py", f"--out={_path('rates')}",
-             *(["--num_workers=2"] if FLAGS.full else ["--num_workers=2", "--repeats=1",
+             *(["--num_workers=4"] if FLAGS.full else ["--num_workers=2", "--repeats=1",
                                                       "--window=3", "--warmup=2"]),
              *([f"--peer_python={FLAGS.peer_python}"] if FLAGS.peer_python else []))
     if _needed("straggler.json"):

@@ -3,12 +3,23 @@
     python benchmarks/straggler.py --num_workers=4 --out=benchmarks/results/straggler
 
 For each mode the same local cluster (1 ps, M workers; no ps for all-reduce, tfdist's
-`MultiWorkerMirroredStrategy` on TF's collectives, nor for Stochastic Gradient Push) runs
-twice on digits: once with every worker at full speed, once with the last worker slowed
-down `--slowdown` times (it sleeps (slowdown - 1) x its own measured step time after each
-step). The figure of merit is the
-ratio of the chief's update rate (global steps per second) with and without the straggler,
-both measured in this run. Writes `<out>.json` and `<out>.png`.
+`MultiWorkerMirroredStrategy` on TF's collectives, nor for Stochastic Gradient Push) runs on
+digits once with every worker at full speed, then once per straggler scenario
+(`--scenarios`):
+
+  persistent   the last worker is `--slowdown` times slower at every step (it sleeps
+               (slowdown - 1) x its own measured step time after each step);
+  transient    the last worker stalls once every `--stall_every` steps, for
+               `--stall_steps` x its measured step time (shorter than SGP's max_delay=8
+               steps' worth: a delay bound may absorb it, a barrier pays every one);
+  rotating     every worker stalls so, in turn (evenly spaced in the period): a barrier pays
+               M stalls per period, each worker only its own.
+
+The figure of merit is the ratio of the chief's update rate (global steps per second) with and
+without the straggler, both measured in this run; for the stall scenarios, beside it, the
+ratio if every stall were paid in full by everyone (`ratio_if_paid`: K t / (K t + n d), K the
+period, t the step time without straggler, n the stalls per period, d a stall). Writes
+`<out>.json` and `<out>.png`, with the load average of the machine.
 """
 
 import json
@@ -18,6 +29,7 @@ import tempfile
 
 from absl import app
 from absl import flags
+from machine import load_note
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_workers", 4, "Workers M.", lower_bound=2)
@@ -27,18 +39,27 @@ flags.DEFINE_float("timeout", 240.0, "Seconds each run may take.")
 flags.DEFINE_string("out", os.path.join("benchmarks", "results", "straggler"),
                     "Output path without extension.")
 flags.DEFINE_list("only", [], "Run only the modes whose name contains one of these.")
+SCENARIOS = ("persistent", "transient", "rotating")
+flags.DEFINE_multi_enum("scenarios", list(SCENARIOS), SCENARIOS, "Straggler scenarios.")
+flags.DEFINE_integer("stall_every", 20, "Steps between a worker's stalls (transient, rotating).",
+                     lower_bound=2)
+flags.DEFINE_float("stall_steps", 4.0, "A stall's length, in the stalling worker's step times.",
+                   lower_bound=0)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _run(strategy_flags, num_ps, straggler_delay=0.0):
+def _run(strategy_flags, num_ps, straggler_delay=0.0, stall_ranks=(), stall_seconds=0.0):
     from tfdist.launch import LocalCluster
 
     straggler = FLAGS.num_workers - 1 if straggler_delay else -1
+    stall = ([f"--stall_ranks={','.join(str(r) for r in stall_ranks)}",
+              f"--stall_every={FLAGS.stall_every}", f"--stall_seconds={stall_seconds}"]
+             if stall_ranks else [])
     with tempfile.TemporaryDirectory() as out_dir:
         command = [sys.executable, os.path.join(HERE, "ps_worker.py"), f"--out_dir={out_dir}",
                    f"--window={FLAGS.window}", f"--straggler_rank={straggler}",
-                   f"--straggler_delay={straggler_delay}", *strategy_flags]
+                   f"--straggler_delay={straggler_delay}", *stall, *strategy_flags]
         with LocalCluster(command, num_ps=num_ps, num_workers=FLAGS.num_workers,
                           timeout=FLAGS.timeout, output=None) as cluster:
             result = cluster.wait()
@@ -52,7 +73,10 @@ def _run(strategy_flags, num_ps, straggler_delay=0.0):
         with open(os.path.join(out_dir, f"worker{FLAGS.num_workers - 1}.json")) as f:
             # The median: a start-up stall (SGP's first wait for its peers' couriers) is not
             # the worker's pace.
-            figures["last_worker_step_seconds"] = json.load(f)["median_step_seconds"]
+            last = json.load(f)
+        figures["last_worker_step_seconds"] = last["median_step_seconds"]
+        figures["last_worker_stalls"] = last["stalls"]
+        figures["load_after"] = load_note()["load_average_1_5_15"]
         return figures
 
 
@@ -62,17 +86,39 @@ def _mode(name, strategy_flags, num_ps):
     if "error" in base:
         print(f"{name}: does not run: {base['error']}", flush=True)
         return {"error": base["error"]}
-    delay = (FLAGS.slowdown - 1) * base["last_worker_step_seconds"]
-    print(f"{name}: with one worker slowed {FLAGS.slowdown:g}x (+{delay * 1000:.1f} ms/step) ...",
-          flush=True)
-    slow = _run(strategy_flags, num_ps, straggler_delay=delay)
-    if "error" in slow:
-        return {"baseline": base, "error": slow["error"]}
-    ratio = slow["updates_per_second"] / base["updates_per_second"]
-    print(f"{name}: {base['updates_per_second']:.1f} -> {slow['updates_per_second']:.1f} "
-          f"updates/s, ratio {ratio:.2f}", flush=True)
-    return {"baseline": base, "straggler": slow, "straggler_delay_seconds": delay,
-            "rate_ratio": ratio}
+    result = {"baseline": base}
+    step = base["last_worker_step_seconds"]
+    if "persistent" in FLAGS.scenarios:
+        delay = (FLAGS.slowdown - 1) * step
+        print(f"{name}: with one worker slowed {FLAGS.slowdown:g}x (+{delay * 1000:.1f} "
+              "ms/step) ...", flush=True)
+        slow = _run(strategy_flags, num_ps, straggler_delay=delay)
+        if "error" in slow:
+            result["error"] = slow["error"]
+        else:
+            ratio = slow["updates_per_second"] / base["updates_per_second"]
+            print(f"{name}: {base['updates_per_second']:.1f} -> "
+                  f"{slow['updates_per_second']:.1f} updates/s, ratio {ratio:.2f}", flush=True)
+            result.update(straggler=slow, straggler_delay_seconds=delay, rate_ratio=ratio)
+    m, every = FLAGS.num_workers, FLAGS.stall_every
+    stall = FLAGS.stall_steps * step
+    for scenario, ranks in (("transient", [m - 1]), ("rotating", list(range(m)))):
+        if scenario not in FLAGS.scenarios:
+            continue
+        print(f"{name}: {scenario}, worker(s) {ranks} stalling {stall * 1000:.0f} ms every "
+              f"{every} steps ...", flush=True)
+        run = _run(strategy_flags, num_ps, stall_ranks=ranks, stall_seconds=stall)
+        if "error" in run:
+            result[scenario] = {"error": run["error"]}
+            continue
+        ratio = run["updates_per_second"] / base["updates_per_second"]
+        base_step = 1.0 / base["updates_per_second"]
+        paid = every * base_step / (every * base_step + len(ranks) * stall)
+        print(f"{name}: {scenario}: ratio {ratio:.2f} (every stall paid in full: {paid:.2f})",
+              flush=True)
+        result[scenario] = {"run": run, "stall_ranks": ranks, "stall_seconds": stall,
+                            "rate_ratio": ratio, "ratio_if_paid": paid}
+    return result
 
 
 def main(argv):
@@ -90,14 +136,21 @@ def main(argv):
     if FLAGS.only:
         modes = {name: spec for name, spec in modes.items()
                  if any(part in name for part in FLAGS.only)}
+    load_before = load_note()
     results = {"num_workers": m, "slowdown": FLAGS.slowdown, "window_seconds": FLAGS.window,
+               "scenarios": FLAGS.scenarios, "stall_every": FLAGS.stall_every,
+               "stall_steps": FLAGS.stall_steps,
+               "job": "digits MLP 64-64-10 (4,810 parameters), batch 32 per worker, SGD",
+               "network": "localhost, no limit",
                "modes": {name: _mode(name, *spec) for name, spec in modes.items()}}
+    results.update(load_before=load_before, load_after=load_note())
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(results, f, indent=1)
     _plot(results, FLAGS.out + ".png")
-    print(json.dumps({name: r.get("rate_ratio", r.get("error")) for name, r in
-                      results["modes"].items()}, indent=1))
+    print(json.dumps({name: {scenario: (r if scenario == "persistent" else r.get(scenario, {}))
+                             .get("rate_ratio") for scenario in FLAGS.scenarios}
+                      for name, r in results["modes"].items()}, indent=1))
 
 
 def _plot(results, path):
@@ -106,20 +159,25 @@ def _plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [n for n, r in results["modes"].items() if "rate_ratio" in r]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    base = [results["modes"][n]["baseline"]["updates_per_second"] for n in names]
-    slow = [results["modes"][n]["straggler"]["updates_per_second"] for n in names]
+    modes = results["modes"]
+    names = [n for n, r in modes.items() if "baseline" in r and "updates_per_second" in
+             r["baseline"]]
+    labels = {"persistent": f"one worker {results['slowdown']:g}x slower",
+              "transient": f"one worker stalls every {results.get('stall_every')} steps",
+              "rotating": "each worker stalls in turn"}
+    scenarios = results.get("scenarios", ["persistent"])
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    width = 0.8 / len(scenarios)
     xs = range(len(names))
-    ax.bar([x - 0.2 for x in xs], base, 0.4, label="no straggler")
-    ax.bar([x + 0.2 for x in xs], slow, 0.4,
-           label=f"one worker {results['slowdown']:g}x slower")
-    for x, n in zip(xs, names):
-        ax.annotate(f"x{results['modes'][n]['rate_ratio']:.2f}", (x + 0.2, slow[x]),
-                    ha="center", va="bottom")
-    ax.set_xticks(list(xs), names)
-    ax.set_ylabel("updates / s (chief)")
-    ax.set_title(f"Update rate, 1 ps + {results['num_workers']} workers (digits MLP)")
+    for i, scenario in enumerate(scenarios):
+        ratios = [(modes[n] if scenario == "persistent" else modes[n].get(scenario, {}))
+                  .get("rate_ratio", 0.0) for n in names]
+        ax.bar([x - 0.4 + width * (i + 0.5) for x in xs], ratios, width,
+               label=labels[scenario])
+    ax.set_xticks(list(xs), [n.replace(" (", "\n(") for n in names], fontsize=7)
+    ax.set_ylabel("rate with / without straggler")
+    ax.set_title(f"Update rate under stragglers, {results['num_workers']} workers "
+                 "(digits MLP, localhost)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

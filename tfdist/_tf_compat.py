@@ -64,6 +64,24 @@ def keras_optimizer_in_scope():
     return None
 
 
+def keras_layer_in_scope():
+    """The Keras layer making a variable now, or None (an optimizer's or a metric's
+    variable, or one made outside Keras).
+
+    Keras 3 makes a layer's weights under `keras.name_scope(layer.name, caller=layer)`, a
+    metric's under the metric's and an optimizer's under the optimizer's; the innermost
+    caller says whose variable it is. Keras offers no public hook for it.
+    """
+    import keras
+    from keras.src.backend.common import global_state
+
+    for entry in reversed(global_state.get_global_attribute("name_scope_stack") or []):
+        caller = getattr(entry, "caller", None)
+        if caller is not None:
+            return caller if isinstance(caller, keras.layers.Layer) else None
+    return None
+
+
 def in_xla_context():
     """Whether the function being traced is compiled by XLA (`jit_compile=True`)."""
     import tensorflow as tf

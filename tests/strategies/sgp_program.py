@@ -4,8 +4,12 @@ Scenarios (`--sgp_scenario`; every run passes `--strategy=sgp`):
   equivalence  overlap off, 3 workers. First fit: the graph is fully connected (every worker
                sends to both others), plain SGD: all-reduce SGD step for step. Second fit: an
                irregular graph (a hub per step takes two messages, one worker none), so the
-               push-sum weights move away from 1. Worker 0 then takes one step more, alone
-               (the others are ending), and `join` averages the models.
+               push-sum weights move away from 1; each worker saves its model (a `.keras`
+               file). Worker 0 then takes one step more, alone (the others are ending), and
+               `join` averages the models. The model ends in a BatchNormalization whose output
+               is not used: its moving statistics follow each worker's own batches (no
+               gradient reaches them) until `join` averages them too. Loading the saved file
+               then restores each worker's push-sum weight and step.
   long         the default settings, trained long enough to be killed mid-run; prints READY
                and the logs after the first epoch.
 """
@@ -40,6 +44,34 @@ def phased_graph(step, rank, num_workers):
     return [(hub + 1) % num_workers] if rank == hub else [hub]
 
 
+class Observe(keras.layers.Layer):
+    """Passes its input on; in training, its BatchNormalization (no centre, no scale: no
+    trainable weights) updates moving statistics from the batch."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm = keras.layers.BatchNormalization(center=False, scale=False)
+
+    def build(self, input_shape):
+        self.norm.build(input_shape)
+
+    def call(self, inputs, training=None):
+        self.norm(inputs, training=training)
+        return inputs
+
+
+def build_model(scenario):
+    """`ps_program`'s model with SGD, and for `equivalence` an `Observe` layer last (its
+    moving statistics come after the trained weights in `get_weights()`)."""
+    model = ps_program.build_model("sgd")
+    if scenario != "equivalence":
+        return model
+    observed = keras.Sequential([keras.Input((8,)), *model.layers, Observe()])
+    observed.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
+                     metrics=["accuracy"])
+    return observed
+
+
 def save(name, **values):
     with open(os.path.join(FLAGS.out_dir, name), "w") as f:
         json.dump(values, f)
@@ -63,7 +95,7 @@ def main(argv):
     strategy = tfdist.strategies.from_flags(**overrides)
     rank = strategy.worker_index
     with strategy.scope():
-        model = ps_program.build_model("sgd")
+        model = build_model(FLAGS.sgp_scenario)
     x, y = ps_program.data()
     xs, ys = strategy.shard(x, y)
     weights = lambda: [w.tolist() for w in model.get_weights()]  # noqa: E731
@@ -75,15 +107,21 @@ def main(argv):
     first = model.fit(xs, ys, **fit)
     result.update(connected=weights(), first=history_of(first))
     second = model.fit(xs, ys, **fit)
-    result.update(second=history_of(second), before_join=strategy.progress())
+    result.update(second=history_of(second), before_join=strategy.progress(),
+                  before_join_weights=weights())
+    saved = os.path.join(FLAGS.out_dir, f"worker{rank}.keras")
+    model.save(saved)
     if rank == 0:
         # One step more than the others, which are ending: their end markers come instead
         # of their messages, and worker 0 goes on alone.
         model.fit(xs[:BATCH], ys[:BATCH], batch_size=BATCH, epochs=1, shuffle=False,
                   verbose=0)
+    result["at_join"] = weights()
     strategy.join()
     result.update(final=weights(), progress=strategy.progress(),
                   evaluation=model.evaluate(x, y, batch_size=64, verbose=0))
+    model.load_weights(saved)  # (a `.keras` file: the weights and the optimizer's state)
+    result.update(restored=strategy.progress(), restored_weights=weights())
     try:
         model.fit(xs, ys, **fit)
         result["fit_after_join"] = "trained"

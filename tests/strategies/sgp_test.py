@@ -11,6 +11,7 @@ import os
 import signal
 import time
 
+import keras
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
@@ -154,7 +155,9 @@ class ClusterTest(tf.test.TestCase):
         # sum stays 3 at every epoch end (every message of a step is taken at that step).
         # Worker 0 takes a 13th step alone (the others' end markers come instead of their
         # messages); `join` then averages the models once, all the mass kept (sum of w = 3):
-        # the same bits on every worker.
+        # the same bits on every worker, the BatchNormalization statistics that no step
+        # gossips included (their plain mean). Each worker saved a `.keras` file before its
+        # join: loading it restores its push-sum weight and step, and plain Keras loads it.
         out = self.get_temp_dir()
         cluster, result = run_cluster(out, 3, "--strategy=sgp", "--epochs=2",
                                       "--sgp_scenario=equivalence", num_ps=0, program=PROGRAM)
@@ -185,6 +188,22 @@ class ClusterTest(tf.test.TestCase):
         weights = np.array([w["second"]["push_sum_weight"] for w in workers])
         self.assertAllClose(weights.sum(axis=0), [3.0, 3.0], rtol=1e-6)
         self.assertGreater(np.abs(weights - 1).max(), 0.2, weights)
+        # The last two arrays: the moving mean and variance, each worker's own until `join`.
+        statistics = [[np.array(a) for a in w["at_join"][-2:]] for w in workers]
+        self.assertGreater(np.abs(statistics[0][0] - statistics[1][0]).max(), 1e-4)
+        for got, part in zip(workers[0]["final"][-2:], zip(*statistics)):
+            self.assertAllClose(got, np.mean(part, axis=0), rtol=1e-6, atol=1e-7)
+        for worker in workers:
+            saved = worker["before_join"]
+            self.assertEqual(worker["restored"]["push_sum_weight"], saved["push_sum_weight"])
+            self.assertEqual(worker["restored"]["step"], saved["step"])
+            for got, want in zip(worker["restored_weights"], worker["before_join_weights"]):
+                self.assertAllEqual(got, want)
+        # Plain Keras (no strategy) loads the file with the gossip state in it.
+        plain = keras.models.load_model(os.path.join(out, "worker1.keras"),
+                                        custom_objects={"Observe": sgp_program.Observe})
+        for got, want in zip(plain.get_weights(), workers[1]["before_join_weights"]):
+            self.assertAllEqual(got, np.array(want, "float32"))
 
     def test_a_killed_worker_is_named_and_no_peer_hangs(self):
         # About 40 s. The default settings (overlap, exponential graph: with 3 workers every
@@ -218,7 +237,7 @@ def one_process_reference(initial, epochs):
     order = np.concatenate([np.r_[r * rows + j * batch:r * rows + (j + 1) * batch]
                             for j in range(rows // batch) for r in range(3)])
     model = ps_program.build_model("sgd")
-    model.set_weights([np.array(w, "float32") for w in initial])
+    model.set_weights([np.array(w, "float32") for w in initial[:len(model.weights)]])
     model.fit(x[order], y[order], batch_size=3 * batch, epochs=epochs, shuffle=False,
               verbose=0)
     return model.get_weights()

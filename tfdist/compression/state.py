@@ -4,10 +4,8 @@ A compressed all-reduce keeps state between steps in replica-local float32 varia
 by the variables whose gradients they code. `CompressionState` holds one optimizer's share
 of it, and is saved with that optimizer wherever the optimizer is saved:
 
-* Keras files (`model.save`, `ModelCheckpoint`, `BackupAndRestore`, `save_weights`): the
-  state is an attribute of the optimizer (`optimizer.tfdist_compression_state`) that Keras
-  walks like any other saveable; plain Keras, loading the same file, never visits it.
-* `tf.train.Checkpoint(model=model, optimizer=optimizer)`: the same attribute, a trackable.
+* Keras files and `tf.train.Checkpoint`: the state is an attribute of the optimizer
+  (`optimizer.tfdist_compression_state`), a `tfdist._saved_state.SavedState`.
 
 Values saved before the state's variables exist (they are made when the train step is
 first traced) are kept and become the variables' initial values: loading a checkpoint into a
@@ -29,7 +27,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from tfdist import _tf_compat
+from tfdist._saved_state import SavedState
 
 log = logging.getLogger("tfdist")
 
@@ -55,7 +53,7 @@ def _key_name(key, positions):
     return "+".join(names) + "[" + ",".join(str(d) for d in shape) + "]"
 
 
-class CompressionState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
+class CompressionState(SavedState):
     """One optimizer's codec state in a compressed all-reduce strategy.
 
     Args:
@@ -231,55 +229,15 @@ class CompressionState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
         return buffer.getvalue()
 
     def from_bytes(self, data):
-        """Restores from `to_bytes()`; empty bytes (a graph-mode save) restore nothing."""
-        if not data:
-            return
+        """Restores from `to_bytes()`."""
         with np.load(io.BytesIO(data)) as arrays:
             names = json.loads(str(arrays["names"]))
             codec = json.loads(str(arrays["codec"])) if "codec" in arrays else None
             self.restore({name: arrays[str(i)] for i, name in enumerate(names)}, codec)
 
-    # tf.train.Checkpoint: the whole state as one string (its entries change as variables
-    # are made; a checkpoint restores the names a trackable has now, so one fixed name).
-    # A SavedModel export traces this in a graph, where the state is not read: empty.
-    def _serialize_to_tensors(self):
-        data = self.to_bytes() if tf.executing_eagerly() else b""
-        return {"state": tf.constant(data)}
-
-    def _restore_from_tensors(self, restored_tensors):
-        if tf.executing_eagerly():  # (a SavedModel traces this too: nothing to restore)
-            self.from_bytes(restored_tensors["state"].numpy())
-        return tf.no_op()
-
-    def _copy_trackable_to_cpu(self, object_map):
-        # An asynchronous checkpoint saves a copy made now, in another thread later.
-        object_map[self] = _Snapshot(self.to_bytes())
-
-    # Keras saving (`model.save`, `save_weights`, ModelCheckpoint, BackupAndRestore).
-    def _obj_type(self):
-        # Keras walks a saveable's attributes for children, skipping those of a reference
-        # object of a type it knows; this object has no saveable children, and "Loss" is the
-        # type whose reference object is the plainest.
-        return "Loss"
-
-    def save_own_variables(self, store):
-        store["state"] = np.frombuffer(self.to_bytes(), np.uint8)
-
-    def load_own_variables(self, store):
-        if "state" in store.keys():
-            self.from_bytes(np.asarray(store["state"]).tobytes())
-        else:  # a file saved without codec state: the weights are not the residuals' own
-            self.restore({})
-
-
-class _Snapshot(_tf_compat.Trackable):
-    """A `CompressionState`'s bytes at one moment (an asynchronous checkpoint's copy)."""
-
-    def __init__(self, data):
-        self._data = data
-
-    def _serialize_to_tensors(self):
-        return {"state": tf.constant(self._data)}
+    def restore_missing(self):
+        # A file saved without codec state: the weights are not the residuals' own.
+        self.restore({})
 
 
 def state_of(optimizer, strategy, replica_offset=0, codec=None):

@@ -23,8 +23,11 @@ OUTBOX = "outbox"
 
 # Control tags. DEAD: `info` is the rank that stopped answering (or COURIER); END: the sender
 # took its last training step, `info` is how many it took; AVERAGE: the sender's (x, w) after
-# it took every message sent to it, for the final average; STOP: the courier's last entry.
-DEAD, END, AVERAGE, STOP = -2, -3, -4, -5
+# it took every message sent to it, for the final average (`info`: how many values its LOCAL
+# messages carry); LOCAL: the `info`-th part of the sender's model variables that are not
+# gossiped (BatchNormalization's moving statistics, frozen weights), for the final average;
+# STOP: the courier's last entry.
+DEAD, END, AVERAGE, STOP, LOCAL = -2, -3, -4, -5, -6
 HEAD = 7  # 3 int64 words (6 floats) and the weight
 WEIGHT = 6
 

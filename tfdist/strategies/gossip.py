@@ -25,6 +25,7 @@ from tfdist.cluster import as_cluster_config
 from tfdist.cluster.network import CONNECT_TIMEOUT_ENV
 from tfdist.cluster.network import timeout_from_env
 from tfdist.gossip import protocol
+from tfdist.gossip import state as gossip_state
 from tfdist.gossip.graphs import Schedule
 from tfdist.gossip.node import GossipNode
 from tfdist.gossip.node import PeerError
@@ -107,6 +108,9 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
             self._weight = state("weight", 1.0, tf.float32)
             self._active = state("active", True, tf.bool)  # False once the worker left
             self._step = state("step", 0, tf.int64)
+            # The step this worker (re)started at: no message sent before it is waited for
+            # (a worker restored from a checkpoint does not get what was in flight then).
+            self._start = state("start", 0, tf.int64)
             # Per sender: messages it owes by now (with the overlap, those sent up to
             # max_delay steps ago), messages taken, and the step count of its END (-1: none).
             self._due = state("due", [0] * num_workers, tf.int64)
@@ -115,7 +119,39 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
             # Telemetry: messages taken, taken at a later step than sent, the largest
             # delay (steps), steps that waited for a message, bytes sent.
             self._stats = state("stats", [0, 0, 0, 0, 0], tf.int64)
+        self._saved = gossip_state.GossipState(self)
+        # The float variables of the Keras layers made under this strategy's scope (weights,
+        # and non-trainable ones such as BatchNormalization's moving statistics), in order.
+        self._model_variables = []
         atexit.register(self._leave_at_exit)
+
+    # Checkpoints -------------------------------------------------------------------------
+
+    def _create_variable(self, next_creator, **kwargs):
+        # The optimizer made under this strategy gets the gossip state when it makes its
+        # first variable, so that loading a file before the first step restores it.
+        gossip_state.attach(_tf_compat.keras_optimizer_in_scope(), self._saved)
+        variable = super()._create_variable(next_creator, **kwargs)
+        if (_tf_compat.keras_layer_in_scope() is not None and variable.dtype.is_floating
+                and not self._left):
+            self._model_variables.append(variable)
+        return variable
+
+    def gossip_state(self):
+        """`(push-sum weight, step, rank, num_workers)`, what a checkpoint holds."""
+        with tf.init_scope():
+            return (float(self._weight.numpy()), int(self._step.numpy()), self._node.rank,
+                    self._node.num_workers)
+
+    def restore_gossip_state(self, weight, step):
+        """Sets the push-sum weight and (unless None) the step count from a checkpoint;
+        messages sent before are not waited for."""
+        with tf.init_scope():
+            self._weight.assign(weight)
+            if step is not None:
+                self._step.assign(step)
+                self._start.assign(step)
+            self._due.assign(self._consumed.read_value())
 
     # The step ----------------------------------------------------------------------------
 
@@ -148,6 +184,7 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
         if self._left:
             raise ValueError(f"{self._node.task_name} has left the run (`strategy.join()`): it "
                              "cannot train any more")
+        gossip_state.attach(_tf_compat.keras_optimizer_in_scope(), self._saved)
         weight = tf.cast(self._weight.read_value(), var.dtype)
         var.assign(var * weight, read_value=False)
         result = super()._update(var, fn, args, kwargs, group)
@@ -206,7 +243,7 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
             if self._overlap:
                 late_step = step - self._max_delay
                 due = self._due.read_value() + tf.where(
-                    late_step >= 0, in_counts(tf.maximum(late_step, 0)),
+                    late_step >= self._start.read_value(), in_counts(tf.maximum(late_step, 0)),
                     tf.zeros([num_workers], tf.int64))
             else:
                 due = consumed + in_counts(step)
@@ -326,8 +363,16 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
             state.advance(sender, until=1)
         models = {node.rank: (state.x, state.weight)}
         if self._final_average:
-            node.send(tf.constant(others), protocol.pack(protocol.AVERAGE, node.rank, 0,
-                                                         state.weight, state.x))
+            local_variables = self._local_variables()
+            local = (np.concatenate([np.reshape(v.numpy(), [-1]).astype(np.float32)
+                                     for v in local_variables])
+                     if local_variables else np.zeros([0], np.float32))
+            state.expect_local(local.size)
+            node.send(tf.constant(others), protocol.pack(protocol.AVERAGE, node.rank,
+                                                         local.size, state.weight, state.x))
+            for index, part in enumerate(state.local_parts(local)):
+                node.send(tf.constant(others), protocol.pack(protocol.LOCAL, node.rank, index,
+                                                             0.0, part))
             for sender in others:
                 state.advance(sender, until=2)
             models.update(state.models)
@@ -335,14 +380,29 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
             x = sum_in_rank_order([models[r][0] for r in range(num_workers)]) / total_weight
             weight = np.float32(1.0)
             self._final_weight_sum = total_weight
+            # Not gossiped, not mixed by push-sum: their plain mean over the workers.
+            state.locals[node.rank] = local
+            local = sum_in_rank_order([state.locals[r] for r in range(num_workers)])
+            _assign_flat(local_variables, local / num_workers)
         else:
             x, weight = state.x / state.weight, state.weight
-        for variable, part in zip(self._variables,
-                                  np.split(np.asarray(x, np.float32), np.cumsum(self._sizes)[:-1])):
-            variable.assign(np.reshape(part, variable.shape).astype(variable.dtype.as_numpy_dtype))
+        _assign_flat(self._variables, x)
         self._weight.assign(weight)
         self._consumed.assign(state.consumed)
         self._peer_steps = [state.peer_steps.get(r) for r in range(num_workers)]
+
+    def _local_variables(self):
+        """The model's float variables that the steps do not gossip: they stay each worker's
+        own in training, and the final average takes their plain mean.
+
+        As in the reference implementation (facebookresearch/stochastic_gradient_push,
+        `GossipDataParallel`), only what the optimizer trains is gossiped; module buffers
+        (BatchNormalization's running statistics) are never mixed across workers there. Here
+        they are averaged once, with the model, so that every worker ends on the same full
+        model (the reference leaves them differing).
+        """
+        trained = {id(v.handle) for v in self._variables}
+        return [v for v in self._model_variables if id(v.handle) not in trained]
 
     # Input ---------------------------------------------------------------------------------
 
@@ -356,9 +416,18 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
 
 
 
+def _assign_flat(variables, values):
+    """Sets `variables` from the float vector `values` (their values one after another)."""
+    sizes = [v.shape.num_elements() for v in variables]
+    for variable, part in zip(variables, np.split(np.asarray(values, np.float32),
+                                                  np.cumsum(sizes)[:-1])):
+        variable.assign(np.reshape(part, variable.shape).astype(variable.dtype.as_numpy_dtype))
+
+
 class _Drain:
     """`join`'s reading of the inboxes: per sender, its training messages (added to x, w)
-    up to its END (phase 1), then its AVERAGE message (phase 2)."""
+    up to its END (phase 1), then its AVERAGE message and the LOCAL messages that follow it
+    (phase 2)."""
 
     def __init__(self, extended, steps, x, weight):
         self.extended = extended
@@ -374,6 +443,30 @@ class _Drain:
             if phase:
                 self._maybe_done(sender)
         self.models = {}
+        self.locals = {}  # sender -> its local values (`_local_variables`), once all came
+        self._parts = {}  # sender -> the LOCAL parts received
+        self.local_size = 0
+
+    def expect_local(self, size):
+        """Every worker's LOCAL messages carry `size` values (the same model everywhere)."""
+        self.local_size = size
+
+    def local_parts(self, values):
+        """`values` cut into message-sized parts (the last one padded with zeros)."""
+        room = self.node.size - protocol.HEAD
+        count = -(-values.size // room)
+        padded = np.zeros([count * room], np.float32)
+        padded[:values.size] = values
+        return [padded[i * room:(i + 1) * room] for i in range(count)]
+
+    def _take_local(self, sender, values):
+        parts = self._parts.setdefault(sender, [])
+        if values is not None:
+            parts.append(values)
+        if len(parts) * (self.node.size - protocol.HEAD) >= self.local_size:
+            self.locals[sender] = (np.concatenate(parts)[:self.local_size] if parts
+                                   else np.zeros([0], np.float32))
+            self.phase[sender] = 2
 
     def _maybe_done(self, sender):
         if self.phase[sender] == (2 if self.extended._final_average else 1):
@@ -394,9 +487,17 @@ class _Drain:
             elif tag == protocol.END and self.phase[sender] == 0:
                 self.peer_steps[sender] = info
                 self.phase[sender] = 1
-            elif tag == protocol.AVERAGE and self.phase[sender] == 1:
+            elif (tag == protocol.AVERAGE and self.phase[sender] == 1
+                    and sender not in self.models):
+                if info != self.local_size:
+                    raise PeerError(
+                        f"tfdist: {node.names[sender]} averages {info} values of non-gossiped "
+                        f"model variables, {node.task_name} {self.local_size}: every worker "
+                        "must build the same model under the strategy's scope")
                 self.models[sender] = (values.numpy(), weight.numpy())
-                self.phase[sender] = 2
+                self._take_local(sender, None)
+            elif tag == protocol.LOCAL and sender in self.models and self.phase[sender] == 1:
+                self._take_local(sender, values.numpy())
             elif tag == protocol.DEAD:
                 self._dead(sender, info)
             else:
@@ -448,8 +549,13 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
         step waits for every message sent to it at that step (synchronous SGP).
       max_delay: with `overlap`, how many steps late a message may be taken (default 1).
       final_average: `join()` (and exit) ends with one exact average of every worker's
-        model, x summed over the workers divided by w summed, so that all end on the same
-        weights.
+        model, x summed over the workers divided by w summed, and the model's float variables
+        that the steps do not gossip (BatchNormalization's moving statistics) by their plain
+        mean, so that all end on the same weights. It runs in `join()`, not at the end of
+        `fit` (see the README for why).
+
+    The push-sum weight and the step count are saved with the model's optimizer (Keras files
+    and `tf.train.Checkpoint`, at `optimizer/tfdist_gossip_state`) and restored with it.
       cluster: a `tfdist.cluster.ClusterConfig`, TF_CONFIG dict / JSON, a cluster resolver,
         or None to read TF_CONFIG. Chief and worker tasks only (`--num_ps=0`).
       connect_timeout: seconds the peers get to start listening (None: the
