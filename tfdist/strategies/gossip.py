@@ -528,6 +528,7 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
 
     ```python
     strategy = tfdist.strategies.StochasticGradientPushStrategy()   # cluster from TF_CONFIG
+    keras.utils.set_random_seed(0)   # the same initial weights on every worker: none are sent
     with strategy.scope():
         model = build_model()
         model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
