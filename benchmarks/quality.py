@@ -56,6 +56,9 @@ def modes():
                                  f"--strategy_arg=outer_optimizer={json.dumps(outer())}"],
         # No ps: each worker gossips with one peer a step; `join` averages the models.
         "sgp": ["--strategy=sgp"],
+        # Synchronous SGP: every step takes what was sent to it at that step, so on the
+        # exponential graph each worker receives what it sends and w stays 1.
+        "sgp synchronous": ["--strategy=sgp", "--strategy_arg=overlap=False"],
     }
 
 
