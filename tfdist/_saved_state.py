@@ -14,21 +14,25 @@ The state is one byte string (`to_bytes` / `from_bytes`): its entries may change
 makes its variables, and a checkpoint restores the names a trackable has now.
 """
 
+import abc
+
 import numpy as np
 import tensorflow as tf
 
 from tfdist import _tf_compat
 
 
-class SavedState(_tf_compat.Trackable, _tf_compat.KerasSaveable):
+class SavedState(_tf_compat.Trackable, _tf_compat.KerasSaveable, metaclass=abc.ABCMeta):
     """Base of a state saved with an optimizer: subclasses give `to_bytes`, `from_bytes`
     and `restore_missing` (a file saved without this state)."""
 
+    @abc.abstractmethod
     def to_bytes(self):
-        raise NotImplementedError
+        """The whole state as bytes."""
 
+    @abc.abstractmethod
     def from_bytes(self, data):
-        raise NotImplementedError
+        """Restores the state from `to_bytes()`'s bytes."""
 
     def restore_missing(self):
         """A Keras file without this state is loaded: the state goes back to its start."""
