@@ -72,6 +72,15 @@ class SavedState(_tf_compat.Trackable, _tf_compat.KerasSaveable, metaclass=abc.A
             self.restore_missing()
 
 
+def attach(optimizer, attribute, state):
+    """Puts `state` in the checkpoints that hold `optimizer` (a Keras optimizer, or None),
+    as its attribute `attribute`. A bare `Optimizer`, which Keras's loading makes to learn
+    which attributes to skip, gets none."""
+    if (optimizer is not None and type(optimizer).__name__ != "Optimizer"
+            and getattr(optimizer, attribute, None) is not state):
+        setattr(optimizer, attribute, state)
+
+
 class _Snapshot(_tf_compat.Trackable):
     """A `SavedState`'s bytes at one moment (an asynchronous checkpoint's copy)."""
 

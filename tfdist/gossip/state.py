@@ -17,6 +17,7 @@ import logging
 
 import numpy as np
 
+from tfdist import _saved_state
 from tfdist._saved_state import SavedState
 
 log = logging.getLogger("tfdist")
@@ -68,8 +69,5 @@ class GossipState(SavedState):
 
 
 def attach(optimizer, state):
-    """Puts `state` in the Keras checkpoints that hold `optimizer` (a Keras optimizer; a bare
-    `Optimizer` that Keras's loading makes to learn which attributes to skip gets none)."""
-    if (optimizer is not None and type(optimizer).__name__ != "Optimizer"
-            and getattr(optimizer, ATTRIBUTE, None) is not state):
-        setattr(optimizer, ATTRIBUTE, state)
+    """Puts `state` in the Keras checkpoints that hold `optimizer`."""
+    _saved_state.attach(optimizer, ATTRIBUTE, state)

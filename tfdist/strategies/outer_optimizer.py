@@ -21,6 +21,7 @@ import json
 import keras
 import numpy as np
 
+from tfdist import _saved_state
 from tfdist import _tf_compat
 
 # The name every task gives the outer optimizer: its variables' Keras paths (the masters' keys)
@@ -105,9 +106,8 @@ class OuterOptimizer:
 
     def attach(self, optimizer):
         """Puts the outer state in the Keras checkpoints that hold `optimizer`, the model's."""
-        if optimizer is not None and optimizer is not self.optimizer and getattr(
-                optimizer, CHECKPOINT_ATTRIBUTE, None) is not self._state:
-            setattr(optimizer, CHECKPOINT_ATTRIBUTE, self._state)
+        if optimizer is not self.optimizer:
+            _saved_state.attach(optimizer, CHECKPOINT_ATTRIBUTE, self._state)
 
     def build(self, variables):
         """Makes the outer optimizer and its slots for `variables` (Keras variables).
