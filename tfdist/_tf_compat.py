@@ -148,28 +148,40 @@ def keras_variable_paths(optimizer, variables):
     return [paths.get(id(v), v.name.split(":")[0]) for v in variables]
 
 
-def keras_variable_path(name):
-    """The Keras path (`model/layer/kernel`) of the variable whose TF storage is being made.
+def keras_variable_being_initialized():
+    """The Keras `Variable` whose TF storage is being made now, or None.
 
-    Master variables are keyed by path, which every worker gives a model's variables alike
-    (a creation counter shifts when one task makes one variable more). A Keras `Variable`
-    has set its path when it makes its `tf.Variable`, possibly later than its constructor
-    ran (deferred initialisation), so it is read off the Keras variable being initialised;
-    Keras's current name scope plus `name` otherwise.
+    A Keras `Variable` makes its `tf.Variable` in `_initialize`, possibly later than its
+    constructor ran (deferred initialisation); a strategy's variable creator runs inside it.
+    Keras offers no public hook for it.
     """
     import sys
 
     import keras
-    from keras.src.backend.common.name_scope import current_path
 
     frame = sys._getframe(1)
-    for _ in range(12):
+    for _ in range(16):
         if frame is None:
             break
         owner = frame.f_locals.get("self")
         if frame.f_code.co_name == "_initialize" and isinstance(owner, keras.Variable):
-            return owner.path
+            return owner
         frame = frame.f_back
+    return None
+
+
+def keras_variable_path(name):
+    """The Keras path (`model/layer/kernel`) of the variable whose TF storage is being made.
+
+    Master variables are keyed by path, which every worker gives a model's variables alike
+    (a creation counter shifts when one task makes one variable more): the path of the Keras
+    variable being initialised; Keras's current name scope plus `name` otherwise.
+    """
+    from keras.src.backend.common.name_scope import current_path
+
+    owner = keras_variable_being_initialized()
+    if owner is not None:
+        return owner.path
     parent = current_path()
     return f"{parent}/{name}" if parent else name
 

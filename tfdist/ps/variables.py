@@ -33,6 +33,11 @@ def replica_step():
         _state.depth -= 1
 
 
+def in_replica_step():
+    """Whether this thread is running (or tracing) a replica's step."""
+    return bool(getattr(_state, "depth", 0))
+
+
 def _stands_for_master(variable):
     return (bool(variable._tfdist_masters) and tf.executing_eagerly()
             and not getattr(_state, "depth", 0))

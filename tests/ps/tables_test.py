@@ -1,0 +1,175 @@
+"""Tables that live on ps devices, read row by row (one process: logical CPUs stand for the
+ps tasks; the shared-name mechanism is the one a ps task serves)."""
+
+import itertools
+from unittest import mock
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist import _tf_compat
+from tfdist.ps import tables
+from tfdist.ps.variables import replica_step
+
+ROWS, WIDTH = 30, 4
+_names = itertools.count()
+
+
+def setUpModule():
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 3)
+
+
+def _parts(splits):
+    return [(f"/device:CPU:{1 + i % 2}", rows) for i, rows in enumerate(splits)]
+
+
+def _table(splits=((0, 12), (12, ROWS)), value=None):
+    value = np.arange(ROWS * WIDTH, dtype=np.float32).reshape(ROWS, WIDTH) if value is None \
+        else value
+    table = tables.TableVariable.create(f"test{next(_names)}/embeddings", [ROWS, WIDTH],
+                                        tf.float32, _parts(splits), initial_value=value)
+    table.initialize()
+    return table, value
+
+
+def _table_creator(splits):
+    """Makes every 2-D Keras variable a table, as the ps strategies do for embeddings."""
+
+    def creator(next_creator, **kwargs):
+        initial = kwargs["initial_value"]
+        keras_variable = _tf_compat.keras_variable_being_initialized()
+        table = tables.TableVariable.create(
+            f"model{next(_names)}/{kwargs['name']}", keras_variable.shape,
+            kwargs.get("dtype") or tf.float32, _parts(splits), initial_value=initial)
+        table.initialize()
+        keras_variable.sparse_read = table.sparse_read
+        return table
+
+    return creator
+
+
+class TableVariableTest(tf.test.TestCase):
+
+    def test_lookups_equal_a_gather_of_the_whole_table(self):
+        for splits in (((0, ROWS),), ((0, 12), (12, ROWS)), ((0, 10), (10, 20), (20, ROWS))):
+            table, value = _table(splits)
+            ids = np.array([[29, 0, 11], [12, 12, 5]])
+            self.assertAllEqual(table.sparse_read(ids), value[ids])
+            self.assertAllEqual(tf.function(table.sparse_read)(ids), value[ids])
+
+    def test_only_rows_cross_to_the_worker_in_a_traced_lookup(self):
+        table, _ = _table()
+        graph = tf.function(table.sparse_read).get_concrete_function(
+            tf.TensorSpec([None], tf.int32)).graph
+        gathers = [op for op in graph.get_operations() if op.type == "ResourceGather"]
+        self.assertEqual(sorted(op.device[-5:] for op in gathers), ["CPU:1", "CPU:2"])
+        self.assertEmpty([op for op in graph.get_operations() if op.type == "ReadVariableOp"])
+
+    def test_the_gradient_is_the_rows_gradient(self):
+        table, value = _table()
+        ids = tf.constant([3, 17, 3])
+
+        @tf.function
+        def gradient():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(table.sparse_read(ids) ** 2)
+            return tape.gradient(loss, table)
+
+        grad = gradient()
+        self.assertIsInstance(grad, tf.IndexedSlices)
+        expected = np.zeros_like(value)
+        np.add.at(expected, ids.numpy(), 2 * value[ids.numpy()])
+        self.assertAllEqual(tf.convert_to_tensor(grad), expected)
+
+    def test_a_keras_embedding_trains_through_row_lookups(self):
+        with tf.variable_creator_scope(_table_creator(((0, 12), (12, ROWS)))):
+            layer = keras.layers.Embedding(ROWS, WIDTH)
+            layer.build((None, 2))
+        self.assertIsInstance(layer.embeddings.value, tables.TableVariable)
+        before = layer.embeddings.numpy()
+        ids = np.array([[1, 20], [20, 29]])
+
+        @tf.function
+        def step():
+            with replica_step(), tf.GradientTape() as tape:
+                loss = tf.reduce_sum(layer(ids))
+            grad = tape.gradient(loss, layer.trainable_variables)[0]
+            tables.check_step_reads([layer.embeddings.value])
+            return layer(ids), grad
+
+        rows, grad = step()
+        self.assertAllEqual(rows, before[ids])
+        self.assertIsInstance(grad, tf.IndexedSlices)
+        self.assertAllEqual(sorted(grad.indices.numpy()), [1, 20, 20, 29])
+        graph = step.get_concrete_function().graph
+        self.assertEmpty([op for op in graph.get_operations() if op.type == "GatherV2"
+                          and op.inputs[0].shape.as_list() == [ROWS, WIDTH]])
+
+    def test_a_whole_read_in_a_step_names_the_table(self):
+        table, _ = _table()
+
+        @tf.function
+        def step():
+            with replica_step():
+                total = tf.reduce_sum(table)  # a regularizer would do this
+            tables.check_step_reads([table])
+            return total
+
+        with self.assertRaisesRegex(ValueError, f"{table._tfdist_path}.*read whole"):
+            step()
+        with replica_step(), self.assertRaisesRegex(ValueError, "run_eagerly=True"):
+            table.read_value()
+
+    def test_reading_the_static_shape_in_a_step_is_not_a_whole_read(self):
+        table, _ = _table()
+
+        @tf.function
+        def step():
+            with replica_step():
+                rows = tf.shape(table)[0]
+            tables.check_step_reads([table])
+            return rows
+
+        self.assertEqual(int(step()), ROWS)
+
+    def test_whole_reads_and_writes_outside_a_step_go_in_chunks(self):
+        table, value = _table()
+        with mock.patch.object(tables, "CHUNK_BYTES", 5 * WIDTH * 4):
+            chunks = list(table._chunks())
+            self.assertEqual([(b, e) for _, b, e in chunks],
+                             [(0, 5), (5, 10), (10, 12), (12, 17), (17, 22), (22, 27),
+                              (27, 30)])
+            self.assertAllEqual(table.numpy(), value)
+            table.assign(-value)
+            self.assertAllEqual(table.read_value(), -value)
+        for master, (begin, end) in table.parts:
+            self.assertAllEqual(master.read_value(), -value[begin:end])
+
+    def test_a_follower_ignores_writes_and_in_step_writes_are_refused(self):
+        table, value = _table()
+        table.follow()
+        table.assign(np.zeros_like(value))
+        self.assertAllEqual(table.numpy(), value)
+        with self.assertRaisesRegex(ValueError, "updated there by the optimizer"):
+            table.assign_add(value)
+
+    def test_initialize_writes_only_parts_that_hold_nothing(self):
+        table, value = _table()
+        path = table._tfdist_path
+        again = tables.TableVariable.create(path, [ROWS, WIDTH], tf.float32,
+                                            _parts(((0, 12), (12, ROWS))),
+                                            initial_value=lambda: tf.zeros([ROWS, WIDTH]))
+        self.assertTrue(again.is_initialized())
+        self.assertEqual(again.initialize(), 0)
+        self.assertAllEqual(again.numpy(), value)
+
+    def test_parts_must_cover_the_rows(self):
+        with self.assertRaisesRegex(ValueError, "must cover its 30 rows"):
+            tables.TableVariable.create("t/embeddings", [ROWS, WIDTH], tf.float32,
+                                        _parts(((0, 12), (13, ROWS))))
+
+
+if __name__ == "__main__":
+    tf.test.main()

@@ -1,0 +1,266 @@
+"""Embedding tables that live only on the ps tasks: a worker reads the rows its batch touches.
+
+A parameter server exists for models whose largest variables should not be copied to every
+worker: the embedding tables of recommendation and ranking models, of which a step touches a
+few thousand rows out of millions. A `TableVariable` is such a table as a worker's Keras model
+sees it: a variable of the table's full shape with no storage on the worker. Its rows are
+split over the ps tasks (each part a shared variable there, by a name every task derives from
+the table's Keras path and rows), and:
+
+* a lookup (`tf.gather` / Keras's `ops.take`, which Keras's `Embedding` calls) runs one gather
+  per part on that part's ps task, as TF's own `ParameterServerStrategy` does: only the rows
+  cross the network. Its gradient is the rows' gradients (`tf.IndexedSlices`), which the
+  worker pushes; the ps updates those rows (`tfdist.ps.rowwise`);
+* a read of the whole table inside a train, test or predict step is an error that names the
+  table (`check_step_reads`): it would copy the table to the worker every step;
+* outside a step (saving a checkpoint, `get_weights`) the table is read in chunks of at most
+  `CHUNK_BYTES`, each its own message, and the chief's writes (`load_weights`, a restored
+  checkpoint) go to the parts in chunks too; other workers' writes are ignored, as for every
+  master variable.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist import _tf_compat
+from tfdist.ps import variables as variables_lib
+
+CONTAINER = "tfdist"
+# The most one message of a chunked read or write carries (gRPC's own limit is 2 GiB).
+CHUNK_BYTES = 64 << 20
+
+
+def part_name(path, rows):
+    """The shared name of the part `rows` = `(begin, end)` of the table at Keras path `path`.
+
+    It names no run: a lookup traced before the worker joins a run (the first step's forward
+    pass) must already hold the handle it will use.
+    """
+    return f"table/{path}/{rows[0]}:{rows[1]}"
+
+
+class TableVariable(_tf_compat.BaseResourceVariable):
+    """An embedding table whose rows live only on ps tasks (see the module docstring).
+
+    Made by `TableVariable.create`; `tf.Variable`'s metaclass keeps a subclass from adding
+    constructor arguments of its own.
+    """
+
+    _tfdist_writable = True
+
+    @classmethod
+    def create(cls, path, shape, dtype, parts, initial_value=None, trainable=True, name=None):
+        """The table at Keras path `path`.
+
+        Args:
+          path: the Keras variable path (the parts' shared names derive from it).
+          shape: the whole table's shape (rows first).
+          dtype: its dtype.
+          parts: `[(device, (begin, end))]`, the ps device of each part's rows, in row order,
+            covering every row.
+          initial_value: what `initialize` writes to parts that hold nothing yet: a callable
+            (a Keras initializer's), run on the first part's ps task, or a tensor.
+          trainable: as for `tf.Variable`.
+          name: the variable's name (default: the path's last part).
+        """
+        shape = tf.TensorShape(shape)
+        dtype = tf.as_dtype(dtype)
+        if not parts or parts[0][1][0] != 0 or parts[-1][1][1] != shape[0] or any(
+                a[1][1] != b[1][0] for a, b in zip(parts, parts[1:])):
+            raise ValueError(f"the parts of table {path} must cover its {shape[0]} rows in "
+                             f"order. Received: {[rows for _, rows in parts]}")
+        name = name or path.rpartition("/")[2]
+        opened = []
+        for device, rows in parts:
+            part_shape = [rows[1] - rows[0], *shape[1:]]
+            opened.append((variables_lib.open_shared_variable(
+                device, part_name(path, rows), part_shape, dtype, name, container=CONTAINER,
+                trainable=trainable), tuple(rows)))
+        handle = opened[0][0].handle
+        variable = cls(handle=handle, shape=shape, dtype=dtype, trainable=trainable, name=name,
+                       unique_id=f"{CONTAINER}/table/{path}", handle_name=name,
+                       in_graph_mode=False)
+        variable._tfdist_path = path
+        variable._tfdist_parts = tuple(opened)
+        variable._tfdist_initial_value = initial_value
+        variable._tfdist_step_reads = []
+        return variable
+
+    @property
+    def parts(self):
+        """`((master, (begin, end)), ...)`: each part's shared variable and rows."""
+        return self._tfdist_parts
+
+    def follow(self):
+        """Writes outside a step are ignored: another task (the chief) sets this table."""
+        self._tfdist_writable = False
+
+    # Lookups ------------------------------------------------------------------------------
+
+    def sparse_read(self, indices, name=None):
+        """The rows `indices` (any shape), gathered on the ps tasks that hold them."""
+        del name
+        _tf_compat.resource_variable_ops.variable_accessed(self)
+        indices = tf.convert_to_tensor(indices)
+        parts = self._tfdist_parts
+        shape = self.shape
+
+        @tf.custom_gradient
+        def lookup(handle):
+            del handle  # the gradient's anchor: the tape watches this variable's handle
+            flat = tf.reshape(indices, [-1])
+            if len(parts) == 1:
+                master, _ = parts[0]
+                with tf.device(master.device):
+                    rows = tf.raw_ops.ResourceGather(resource=master.handle, indices=flat,
+                                                     dtype=self.dtype)
+            else:
+                positions, gathered = [], []
+                everything = tf.range(tf.size(flat))
+                for master, (begin, end) in parts:
+                    mine = tf.logical_and(flat >= begin, flat < end)
+                    positions.append(tf.boolean_mask(everything, mine))
+                    local = tf.boolean_mask(flat, mine) - tf.cast(begin, flat.dtype)
+                    with tf.device(master.device):
+                        gathered.append(tf.raw_ops.ResourceGather(
+                            resource=master.handle, indices=local, dtype=self.dtype))
+                # An id past the last row belongs to no part: the error a gather gives.
+                tf.debugging.assert_equal(
+                    tf.reduce_sum([tf.size(p) for p in positions]), tf.size(flat),
+                    message=f"an id is outside the {shape[0]} rows of table {self._tfdist_path}")
+                rows = tf.dynamic_stitch(positions, gathered)
+            result = tf.reshape(rows, tf.concat([tf.shape(indices), shape[1:]], axis=0))
+
+            def gradient(upstream):
+                values = tf.reshape(upstream, tf.concat([[-1], shape[1:]], axis=0))
+                return tf.IndexedSlices(values, flat, tf.constant(shape.as_list(), tf.int64))
+
+            return result, gradient
+
+        return lookup(self.handle)
+
+    # Whole reads and writes ----------------------------------------------------------------
+
+    def _read_variable_op(self, no_copy=False):
+        del no_copy
+        if tf.executing_eagerly():
+            if variables_lib.in_replica_step():
+                raise ValueError(self._whole_read_error("an eager step (`run_eagerly=True`)"))
+            return tf.convert_to_tensor(self.read_in_chunks())
+        # Traced: kept only if something uses it, which a step must not
+        # (`check_step_reads`); `tf.shape` converts the table to a tensor and uses only its
+        # static shape.
+        reads = []
+        for master, _ in self._tfdist_parts:
+            with tf.device(master.device):
+                reads.append(tf.raw_ops.ReadVariableOp(resource=master.handle, dtype=self.dtype))
+        value = reads[0] if len(reads) == 1 else tf.concat(reads, axis=0)
+        if variables_lib.in_replica_step():
+            self._tfdist_step_reads.append(value)
+        return value
+
+    def _whole_read_error(self, where):
+        return (f"the embedding table {self._tfdist_path} ({self.shape.as_list()}) lives on "
+                f"the ps tasks and is read whole in {where}: that would copy it to the worker "
+                "every step. Look rows up (`keras.layers.Embedding`, `ops.take(table, ids, "
+                "axis=0)`, `tf.gather`), keep the step compiled, or keep this variable on the "
+                "workers: `embedding_tables=None` on the strategy (or leave it out of its list)")
+
+    def read_in_chunks(self):
+        """The whole table as a NumPy array, read part by part in bounded chunks."""
+        if not tf.executing_eagerly():
+            raise ValueError(self._whole_read_error("a traced function"))
+        out = np.empty(self.shape.as_list(), self.dtype.as_numpy_dtype)
+        for master, begin, end in self._chunks():
+            with tf.device(master.device):
+                value = tf.raw_ops.ReadVariableOp(resource=master.handle, dtype=self.dtype)
+                offset = self._part_begin(master)
+                chunk = value[begin - offset:end - offset]
+            out[begin:end] = chunk.numpy()
+        return out
+
+    def _part_begin(self, master):
+        return next(rows[0] for m, rows in self._tfdist_parts if m is master)
+
+    def _chunks(self):
+        """`(master, begin, end)` for every chunk of rows, in row order."""
+        row_bytes = max(1, int(np.prod(self.shape[1:], dtype=np.int64))) * self.dtype.size
+        step = max(1, CHUNK_BYTES // row_bytes)
+        for master, (begin, end) in self._tfdist_parts:
+            for start in range(begin, end, step):
+                yield master, start, min(end, start + step)
+
+    def is_initialized(self, name=None):
+        del name
+        with tf.init_scope():
+            return all(variables_lib.is_initialized(master) for master, _ in self._tfdist_parts)
+
+    def initialize(self):
+        """Writes the initial value into every part that holds nothing yet (on the ps tasks:
+        nothing crosses to this worker); returns how many parts it wrote."""
+        missing = [(m, rows) for m, rows in self._tfdist_parts
+                   if not variables_lib.is_initialized(m)]
+        if not missing:
+            return 0
+        initial = self._tfdist_initial_value
+        with tf.init_scope(), tf.device(self._tfdist_parts[0][0].device):
+            value = initial() if callable(initial) else initial
+            value = tf.convert_to_tensor(value, dtype=self.dtype)
+            if value.shape != self.shape:
+                raise ValueError(f"the initial value of table {self._tfdist_path} has shape "
+                                 f"{value.shape}, not {self.shape}")
+            slices = {rows: value[rows[0]:rows[1]] for _, rows in missing}
+        for master, rows in missing:
+            with tf.init_scope(), tf.device(master.device):
+                master.assign(tf.identity(slices[rows]), read_value=False)
+        return len(missing)
+
+    def _write(self, value):
+        if variables_lib.in_replica_step() or not tf.executing_eagerly():
+            raise ValueError(
+                f"the embedding table {self._tfdist_path} is written in a step or a traced "
+                "function: its rows are updated on the ps tasks, by the optimizer; write it "
+                "eagerly (`set_weights`, `load_weights`) on the chief")
+        if not self._tfdist_writable:
+            return self
+        value = np.asarray(value, self.dtype.as_numpy_dtype)
+        if value.shape != tuple(self.shape.as_list()):
+            raise ValueError(f"the value written to table {self._tfdist_path} has shape "
+                             f"{value.shape}, not {self.shape.as_list()}")
+        with tf.init_scope():
+            for master, _ in self._tfdist_parts:
+                if not variables_lib.is_initialized(master):
+                    with tf.device(master.device):
+                        master.assign(tf.zeros(master.shape, self.dtype), read_value=False)
+            for master, begin, end in self._chunks():
+                offset = self._part_begin(master)
+                rows = tf.range(begin - offset, end - offset, dtype=tf.int64)
+                chunk = tf.constant(value[begin:end])
+                with tf.device(master.device):
+                    tf.raw_ops.ResourceScatterUpdate(resource=master.handle, indices=rows,
+                                                     updates=chunk)
+        return self
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        del use_locking, name
+        self._write(value)
+        return self if read_value else None
+
+    def _refuse(self, *args, **kwargs):
+        del args, kwargs
+        raise ValueError(
+            f"the embedding table {self._tfdist_path} lives on the ps tasks: its rows are "
+            "updated there by the optimizer; write it whole with `assign` (on the chief)")
+
+    assign_add = assign_sub = scatter_add = scatter_sub = scatter_update = _refuse
+    scatter_max = scatter_min = scatter_mul = scatter_div = batch_scatter_update = _refuse
+    scatter_nd_add = scatter_nd_sub = scatter_nd_update = _refuse
+
+
+def check_step_reads(tables):
+    """Raises if a step just traced used a whole-table read (`TableVariable` docstring)."""
+    for table in tables:
+        reads, table._tfdist_step_reads = table._tfdist_step_reads, []
+        if any(read.consumers() for read in reads):
+            raise ValueError(table._whole_read_error("the step's code (a custom layer, a "
+                                                     "regularizer or a constraint of it?)"))
