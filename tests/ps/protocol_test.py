@@ -5,7 +5,10 @@ import numpy as np
 import tensorflow as tf
 
 import tfdist
+from tfdist._bitcast import floats_as_ints
+from tfdist._bitcast import ints_as_floats
 from tfdist.ps import protocol
+from tfdist.ps.variables import Part
 
 
 class PackTest(tf.test.TestCase):
@@ -17,9 +20,9 @@ class PackTest(tf.test.TestCase):
 
         @tf.function
         def round_trip(ints, values):
-            packed = tf.concat([protocol.ints_as_floats(ints), values], axis=0)
+            packed = tf.concat([ints_as_floats(ints), values], axis=0)
             head, rest = tf.split(packed, [2 * len(ints), -1])
-            return protocol.floats_as_ints(head), rest
+            return floats_as_ints(head), rest
 
         for values in (tf.zeros([0]), tf.constant([1.5, -2.0, np.nan])):
             got, rest = round_trip(tf.constant(ints), values)
@@ -43,10 +46,8 @@ class SparseRowsTest(tf.test.TestCase):
         want = np.concatenate([np.arange(6), [3, 4, 0, 0, 0, 0, 11, 22], [6, 7, 8]])
         self.assertAllEqual(got, want)
         # The part of a split table (rows 2 to 4) takes its own slices, renumbered.
-        from tfdist.strategies.parameter_server import _Part
-
         variable = tf.Variable(tf.zeros([4, 2]))
-        part = _Part(variable, (2, 4)).take(gradient)
+        part = Part(variable, (2, 4)).take(gradient)
         self.assertAllEqual(part.indices, [1, 1])
         self.assertAllEqual(part.values, [[1.0, 2.0], [10.0, 20.0]])
 

@@ -18,8 +18,8 @@ from tests.strategies.ps_testing import load_result
 from tests.strategies.ps_testing import make_cluster
 from tests.strategies.ps_testing import run_cluster
 from tfdist.cluster import ClusterConfig
-from tfdist.strategies.outer_optimizer import CHECKPOINT_ATTRIBUTE
-from tfdist.strategies.outer_optimizer import outer_optimizer_config
+from tfdist.ps.outer_optimizer import CHECKPOINT_ATTRIBUTE
+from tfdist.ps.outer_optimizer import outer_optimizer_config
 
 NESTEROV = {"class_name": "SGD", "config": {"learning_rate": 0.7, "momentum": 0.9,
                                             "nesterov": True}}

@@ -23,10 +23,13 @@ from tests.strategies.ps_testing import load_result
 from tests.strategies.ps_testing import make_cluster
 from tests.strategies.ps_testing import run_cluster
 from tests.strategies.ps_testing import wait_for_line
+from tfdist._worker import compute_device
 from tfdist.cluster import ClusterConfig
 from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import pick_free_ports
-from tfdist.ps.connection import compute_device
+from tfdist.ps.push import GradientPush
+from tfdist.ps.push import ModelPush
+from tfdist.ps.push_codec import push_compressor
 
 
 class HardSyncEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
@@ -154,7 +157,7 @@ class CompressedPushTest(tf.test.TestCase, parameterized.TestCase):
     def test_powersgd_is_refused_on_the_push_path(self):
         with self.assertRaisesRegex(ValueError, r"`compression`='powersgd' needs rounds of "
                                                 r"all-reduce.*Allowed here: \[.*'topk'"):
-            tfdist.strategies.parameter_server.push_compressor("powersgd")
+            push_compressor("powersgd")
 
 
 class DroppedGradientTest(tf.test.TestCase):
@@ -435,22 +438,25 @@ class ConstructionTest(tf.test.TestCase):
             self.assertEqual(compute_device("chief", 0), "/job:chief/replica:0/task:0/device:GPU:0")
 
     def test_optimizer_features_the_engine_cannot_honour_are_refused(self):
-        check = tfdist.strategies.parameter_server.check_optimizer
         strategy = "SoftSyncStrategy"
+        gradients, averaging = GradientPush(), ModelPush(period=2)
         with self.assertRaisesRegex(ValueError, r"`use_ema=True` is not supported.*"
                                                 r"Compile with `use_ema=False`"):
-            check(keras.optimizers.Adam(use_ema=True), "gradients", strategy)
+            gradients.check_optimizer(keras.optimizers.Adam(use_ema=True), strategy)
         with self.assertRaisesRegex(ValueError, r"`gradient_accumulation_steps=4` is not "
                                                 r"supported by SoftSyncStrategy.*larger batch"):
-            check(keras.optimizers.SGD(gradient_accumulation_steps=4), "gradients", strategy)
+            gradients.check_optimizer(keras.optimizers.SGD(gradient_accumulation_steps=4),
+                                      strategy)
         lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(use_ema=True))
         with self.assertRaisesRegex(ValueError, "use_ema"):
-            check(lso, "gradients", strategy)
+            gradients.check_optimizer(lso, strategy)
+        with self.assertRaisesRegex(ValueError, "use_ema"):
+            averaging.check_optimizer(lso, strategy)
         # Model averaging trains locally: accumulation is the worker's own business.
-        check(keras.optimizers.SGD(gradient_accumulation_steps=4), "averaging", strategy)
+        averaging.check_optimizer(keras.optimizers.SGD(gradient_accumulation_steps=4), strategy)
         with self.assertRaisesRegex(ValueError, r"the optimizer Adam was created outside the "
                                                 r"scope of SoftSyncStrategy.*inside `with"):
-            check(keras.optimizers.Adam(), "gradients", strategy)
+            gradients.check_optimizer(keras.optimizers.Adam(), strategy)
 
     def test_bad_timeouts(self):
         with self.assertRaisesRegex(ValueError, "`init_timeout` must be a positive number"):

@@ -9,6 +9,7 @@ reported with a `DEAD` message in every inbox, so that a step or a `join` waitin
 message fails with the peer's name instead of waiting for ever.
 """
 
+import functools
 import json
 import logging
 import os
@@ -20,11 +21,12 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from tfdist._process import die_with
+from tfdist._worker import compute_device
 from tfdist.cluster import is_listening
 from tfdist.cluster import pick_free_ports
 from tfdist.cluster import wait_for_tasks
 from tfdist.gossip import protocol
-from tfdist.ps.connection import compute_device
 
 log = logging.getLogger("tfdist")
 
@@ -33,12 +35,6 @@ _started = []  # one node per process: a process has one eager context and one s
 
 class PeerError(RuntimeError):
     """A peer stopped answering, or sent what has no place where it came."""
-
-
-def _die_with_parent(parent):
-    from tfdist.launch.local import _die_with
-
-    return lambda: _die_with(parent)
 
 
 class GossipNode:
@@ -75,7 +71,7 @@ class GossipNode:
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         self.courier = subprocess.Popen(
             [sys.executable, "-m", "tfdist.gossip.courier", json.dumps(spec)], env=env,
-            preexec_fn=_die_with_parent(os.getpid()))
+            preexec_fn=functools.partial(die_with, os.getpid()))
         self.outbox = protocol.outbox_queue(self.host_device)
         wait_for_tasks({n: a for r, (n, a) in enumerate(zip(self.names, self.addresses))
                         if r != self.rank}, timeout=connect_timeout)

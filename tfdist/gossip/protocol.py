@@ -15,8 +15,8 @@ A tag >= 0 is the sender's step; negative tags are control messages.
 
 import tensorflow as tf
 
-from tfdist.ps.protocol import floats_as_ints
-from tfdist.ps.protocol import ints_as_floats
+from tfdist._bitcast import floats_as_ints
+from tfdist._bitcast import ints_as_floats
 
 CONTAINER = "tfdistsgp"
 OUTBOX = "outbox"

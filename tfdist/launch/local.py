@@ -18,7 +18,6 @@ block: no process or open port outlives it.
 
 import collections
 import contextlib
-import ctypes
 import dataclasses
 import os
 import signal
@@ -29,6 +28,7 @@ import time
 from typing import Dict
 from typing import Optional
 
+from tfdist._process import die_with
 from tfdist.cluster import ClusterConfig
 from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import pick_free_ports
@@ -65,26 +65,6 @@ class LocalClusterResult:
     message: str = ""
     task_returncodes: Dict[str, Optional[int]] = dataclasses.field(default_factory=dict)
     timed_out: bool = False
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with(parent, sig=signal.SIGTERM):
-    """For `preexec_fn`: the child is sent `sig` when its launcher dies, however it dies
-    (Linux's parent-death signal: an OOM kill or `kill -9` of the launcher leaves no task
-    behind), and exits at once if the launcher is already gone. The signal follows the
-    launcher's thread that started the task: start clusters from a thread that lives on.
-
-    A ps task gets SIGKILL: it has nothing to save, and its SIGTERM handler is Python code,
-    which runs only once the main thread is back from TensorFlow's C++ (a ps still starting
-    its runtime when the launcher died could outlive it). A worker gets SIGTERM, which its
-    program may handle to save its work."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if hasattr(libc, "prctl"):
-        libc.prctl(_PR_SET_PDEATHSIG, sig)
-    if os.getppid() != parent:
-        os._exit(1)
 
 
 class _Task:
@@ -235,7 +215,7 @@ class LocalCluster:
         death_signal = signal.SIGKILL if config.task_type == "ps" else signal.SIGTERM
 
         def preexec():
-            _die_with(launcher, death_signal)
+            die_with(launcher, death_signal)
             if network is not None:
                 network.enter_in_child()
 

@@ -5,6 +5,8 @@ import time
 
 import tensorflow as tf
 
+from tfdist._bitcast import floats_as_ints
+from tfdist._bitcast import ints_as_floats
 from tfdist.ps import protocol
 
 # The largest payload (bytes) that travels packed with the push's head and values.
@@ -115,7 +117,7 @@ class ShardClient:
         Raises in-graph, with the ps's message, if the reply is an error.
         """
         payload = list(payload)
-        head = protocol.ints_as_floats(tf.stack([tf.cast(tag, tf.int64),
+        head = ints_as_floats(tf.stack([tf.cast(tag, tf.int64),
                                                  tf.constant(self.rank, tf.int64)]))
         packed = [head, values]
         if (sum(4 * p.shape.num_elements() for p in payload if p.shape.is_fully_defined())
@@ -127,7 +129,7 @@ class ShardClient:
         flat = tf.concat(packed, axis=0)
         with tf.device(self.device):
             head, values, *rest = tf.split(flat, sizes)
-            tag_and_rank = protocol.floats_as_ints(head)
+            tag_and_rank = floats_as_ints(head)
             push = tf.raw_ops.QueueEnqueueV2(
                 handle=self.push_queue,
                 components=[tag_and_rank[0], tf.cast(tag_and_rank[1], tf.int32),
@@ -136,12 +138,12 @@ class ShardClient:
                 token, message, stats, values = self._dequeue()
                 check = tf.debugging.Assert(token >= 0, [message])
             with tf.control_dependencies([check]):
-                reply = tf.concat([protocol.ints_as_floats(tf.concat([token[None], stats], 0)),
+                reply = tf.concat([ints_as_floats(tf.concat([token[None], stats], 0)),
                                    values], axis=0)
         ints = 2 * (1 + protocol.num_stats(self.num_workers))
         with tf.device(self.connection.host_device):  # the token and stats go to host variables
             head, values = tf.split(reply, [ints, -1])
-            token_and_stats = protocol.floats_as_ints(head)
+            token_and_stats = floats_as_ints(head)
         return token_and_stats[0], token_and_stats[1:], values
 
     def _dequeue(self):

@@ -6,6 +6,7 @@ import time
 
 import tensorflow as tf
 
+from tfdist._worker import compute_device
 from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import as_cluster_config
 from tfdist.cluster import is_listening
@@ -19,19 +20,6 @@ _connected = {}
 
 def ps_device(index):
     return f"/job:ps/replica:0/task:{index}/device:CPU:0"
-
-
-def compute_device(task_type, task_index, gpus=None):
-    """Where a worker computes: its first GPU if it has one, else its CPU.
-
-    Args:
-      task_type, task_index: the worker's task.
-      gpus: the local GPUs (None: `tf.config.list_physical_devices("GPU")`).
-    """
-    if gpus is None:
-        gpus = tf.config.list_physical_devices("GPU")
-    kind = "GPU" if gpus else "CPU"
-    return f"/job:{task_type}/replica:0/task:{task_index}/device:{kind}:0"
 
 
 class PSConnection:

@@ -34,6 +34,7 @@ from tfdist.ps.policies import HISTOGRAM_BUCKETS
 from tfdist.ps.policies import delay_compensated
 from tfdist.ps.policies import policy_from_spec
 from tfdist.ps.policies import resolve_function
+from tfdist.ps.push_codec import push_key
 from tfdist.ps.variables import is_initialized
 
 log = logging.getLogger("tfdist")
@@ -668,12 +669,6 @@ class ShardUpdater:
                     tf.raw_ops.DestroyResourceOp(resource=handle, ignore_lookup_error=True)
                 except tf.errors.OpError:
                     pass
-
-
-def push_key(tag, rank, shard, num_workers):
-    """The key a push's compressor draws its random choices from (same on both sides)."""
-    return tf.stack([tf.cast(tag, tf.int64),
-                     tf.cast(rank, tf.int64) + tf.cast(shard * num_workers, tf.int64)])
 
 
 class PSService:

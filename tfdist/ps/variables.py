@@ -15,6 +15,7 @@ master's values.
 
 import contextlib
 import threading
+import typing
 
 import tensorflow as tf
 
@@ -189,3 +190,30 @@ class MirrorVariable(_tf_compat.ResourceVariable):
 
     def scatter_sub(self, sparse_delta, use_locking=False, name=None):
         return self._scatter("scatter_sub", sparse_delta, use_locking, name)
+
+
+class Part(typing.NamedTuple):
+    """The rows of a mirror that one ps task holds (`rows` None: the whole variable)."""
+
+    variable: MirrorVariable
+    rows: tuple = None
+
+    @property
+    def shape(self):
+        shape = self.variable.shape.as_list()
+        if self.rows is not None:
+            shape[0] = self.rows[1] - self.rows[0]
+        return shape
+
+    def take(self, tensor):
+        """This part of `tensor`, a value (or gradient) of the whole variable; of a sparse
+        gradient (`tf.IndexedSlices`), the slices of this part's rows, renumbered."""
+        if self.rows is None:
+            return tensor
+        begin, end = self.rows
+        if isinstance(tensor, tf.IndexedSlices):
+            mine = tf.logical_and(tensor.indices >= begin, tensor.indices < end)
+            return tf.IndexedSlices(tf.boolean_mask(tensor.values, mine),
+                                    tf.boolean_mask(tensor.indices, mine) - begin,
+                                    dense_shape=self.shape)
+        return tf.convert_to_tensor(tensor)[begin:end]

@@ -13,7 +13,7 @@ from tfdist.strategies.registry import get
 from tfdist.strategies.registry import names
 from tfdist.strategies.registry import parse_strategy_args
 from tfdist.strategies.registry import register
-from tfdist.strategies.telemetry import TelemetryCallback
+from tfdist.telemetry import TelemetryCallback
 
 _registry.register("soft_sync", SoftSyncStrategy)
 _registry.register("async", AsyncStrategy)

@@ -1,9 +1,10 @@
-"""Periodic parameter averaging (local SGD) on the parameter-server engine."""
+"""Periodic parameter averaging (local SGD) on the parameter-server engine (its push is
+`tfdist.ps.push.ModelPush`)."""
 
+from tfdist.ps.outer_optimizer import outer_optimizer_config
 from tfdist.ps.policies import AveragingPolicy
-from tfdist.strategies.outer_optimizer import outer_optimizer_config
-from tfdist.strategies.parameter_server import AVERAGING
-from tfdist.strategies.parameter_server import ParameterServerExtended
+from tfdist.ps.push import ModelPush
+from tfdist.ps.worker import ParameterServerExtended
 from tfdist.strategies.parameter_server import ParameterServerStrategyBase
 from tfdist.strategies.parameter_server import n_of_m_policy
 
@@ -71,22 +72,22 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
         if optimizer_state not in ("local", "averaged"):
             raise ValueError(f"`optimizer_state` must be one of ['averaged', 'local']. "
                              f"Received: {optimizer_state!r}")
+        push = ModelPush(period, average_optimizer_state=optimizer_state == "averaged",
+                         outer_optimizer=outer_optimizer_config(outer_optimizer))
         super().__init__(ParameterServerExtended(
-            self, n_of_m_policy(AveragingPolicy, replicas_to_aggregate), cluster=cluster,
+            self, n_of_m_policy(AveragingPolicy, replicas_to_aggregate), push, cluster=cluster,
             init_timeout=init_timeout, connect_timeout=connect_timeout,
-            inter_op_threads=inter_op_threads, compression=compression, mode=AVERAGING,
-            period=period, average_optimizer_state=optimizer_state == "averaged",
-            variable_partitioner=variable_partitioner,
-            outer_optimizer=outer_optimizer_config(outer_optimizer)))
+            inter_op_threads=inter_op_threads, compression=compression,
+            variable_partitioner=variable_partitioner))
 
     @property
     def period(self):
-        return self.extended._period
+        return self.extended._push.period
 
     @property
     def outer_optimizer(self):
         """The Keras config of the outer optimizer (None: plain averaging)."""
-        outer = self.extended._outer
+        outer = self.extended._push.outer
         return None if outer is None else outer.config
 
     @property

@@ -1,4 +1,27 @@
-"""What a strategy with one replica per worker process tells about its task."""
+"""What the between-graph engines (parameter server, gossip) share about a worker process:
+where it computes, what its strategy tells about its task, its timeouts' check."""
+
+import tensorflow as tf
+
+
+def check_positive_seconds(name, value):
+    """Refuses a timeout argument that is not a positive number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"`{name}` must be a positive number of seconds. Received: {value!r}")
+
+
+def compute_device(task_type, task_index, gpus=None):
+    """Where a worker computes: its first GPU if it has one, else its CPU.
+
+    Args:
+      task_type, task_index: the worker's task.
+      gpus: the local GPUs (None: `tf.config.list_physical_devices("GPU")`).
+    """
+    if gpus is None:
+        gpus = tf.config.list_physical_devices("GPU")
+    kind = "GPU" if gpus else "CPU"
+    return f"/job:{task_type}/replica:0/task:{task_index}/device:{kind}:0"
+
 
 
 class WorkerTasksMixin:

@@ -1,0 +1,134 @@
+"""The compressed push of a parameter-server worker, whichever push it is (gradient or model).
+
+Each worker encodes what it pushes to a ps task with the strategy's compressor, keeping its
+own codec state (error-feedback residuals, ...) with its Keras optimizer, keyed by the pushed
+parts' paths; each ps task decodes its shard. The codec also measures the bytes this worker
+sends and receives, for the Keras logs.
+"""
+
+import tensorflow as tf
+
+from tfdist import compression as compression_lib
+from tfdist.compression import state as compression_state
+from tfdist.compression.base import sum_payload_bytes
+from tfdist.compression.exchange import compression_logs
+from tfdist.ps import protocol
+
+
+def push_compressor(compression):
+    """The compressor for the ps push path, or None; refuses those that need all-reduce."""
+    compressor = compression_lib.get(compression)
+    if compressor is not None and compressor.aggregate != "sum":
+        allowed = [name for name in compression_lib.names()
+                   if compression_lib.get(name).elementwise
+                   and compression_lib.get(name).aggregate == "sum"]
+        raise ValueError(
+            f"`compression`={compressor.name!r} combines the replicas' payloads by "
+            f"{compressor.aggregate}, which every replica takes from all the others (an "
+            f"all-gather); a ps averages the pushes it decodes. Allowed here: {allowed}")
+    if compressor is not None and not compressor.elementwise:
+        allowed = [name for name in compression_lib.names()
+                   if compression_lib.get(name).elementwise]
+        raise ValueError(
+            f"`compression`={compressor.name!r} needs rounds of all-reduce between the "
+            f"replicas; a parameter-server push carries one message per step. Allowed "
+            f"here: {allowed}")
+    return compressor
+
+
+def push_key(tag, rank, shard, num_workers):
+    """The key a push's compressor draws its random choices from (same on both sides)."""
+    return tf.stack([tf.cast(tag, tf.int64),
+                     tf.cast(rank, tf.int64) + tf.cast(shard * num_workers, tf.int64)])
+
+
+class PushCodec:
+    """One worker's compression of its pushes, and the bytes they take on the wire.
+
+    Args:
+      compressor: the strategy's compressor (`push_compressor`).
+      strategy: the public strategy (the codec states are made under its scope).
+      connection: the worker's `PSConnection` (its rank, the run's size, its host device).
+    """
+
+    def __init__(self, compressor, strategy, connection):
+        self.compressor = compressor
+        self._connection = connection
+        # Each push unit's error-feedback residual (and other codec state), kept with the
+        # optimizer so that Keras files and checkpoints save it (one replica: this worker).
+        self._states = compression_state.StateRegistry(strategy, compressor,
+                                                       lambda: connection.rank)
+        with tf.init_scope(), tf.device(connection.host_device):
+            self._bytes_sent = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                           name="tfdist_bytes_sent")
+            # What this worker sent and received on the wire in its last round trips, and
+            # the same with its pushes dense (`bytes_on_wire` / `bytes_on_wire_dense`).
+            self._wire = tf.Variable([0, 0], dtype=tf.int64, trainable=False,
+                                     name="tfdist_wire_bytes")
+
+    def spec(self):
+        return compression_lib.serialize(self.compressor)
+
+    def attach(self, optimizer):
+        """Gives the Keras optimizer made under the strategy its codec state (to save)."""
+        self._states.attach(optimizer)
+
+    def states(self):
+        return self._states.states()
+
+    def reset(self):
+        self._states.reset()
+
+    def queue_dtypes(self, layout):
+        return protocol.compressed_push_dtypes(layout, self.compressor)
+
+    def compress(self, layout, shard, flat, tag, optimizer):
+        """Compresses this worker's part for `shard`, variable by variable where the codec's
+        scale is each tensor's own (`protocol.push_units`); returns the payload and the
+        updates of the codec state (kept in `optimizer`'s `CompressionState`, keyed by the
+        parts' paths and rows)."""
+        compressor = self.compressor
+        units, _ = protocol.push_units(layout, compressor)
+        state = self._states.state_of(optimizer)
+        states = []
+        for unit in units:
+            size = sum(layout.main_sizes[i] for i in unit)
+            paths = tuple(layout.main[i]["path"] + (
+                "" if layout.main[i].get("rows") is None else
+                "@{}:{}".format(*layout.main[i]["rows"])) for i in unit)
+            variables = state.get(
+                ("unit", paths, (size,)),
+                lambda size=size: compressor.initial_state([size], tf.float32),
+                replicated=compressor.replicated_state)
+            states.append({name: components[0] for name, components in variables.items()})
+        connection = self._connection
+        key = push_key(tag, connection.rank, shard, connection.num_workers)
+        payload, new_states = protocol.encode_push(
+            layout, compressor, flat, [{n: v.read_value() for n, v in unit.items()}
+                                       for unit in states], key)
+        return payload, [unit[n].assign(new[n]) for unit, new in zip(states, new_states)
+                         for n in unit]
+
+    def measure(self, layouts, sent, pushed_values, replies):
+        """The updates recording one exchange's bytes: the payloads `sent`, and
+        `[compressed, dense]` bytes of the round trips to every ps task: each push (its tag
+        and rank, the state values it carries, the payload) and each reply (its token,
+        progress and the worker's shard of the model: replies are never compressed, so the
+        push path's ratio is at most about 2x)."""
+        payload_bytes = sum_payload_bytes(sent)
+        header = 16 + 8 * (1 + protocol.num_stats(self._connection.num_workers))
+        common = tf.constant(header * len(replies), tf.int64)
+        for values, (_, _, reply) in zip(pushed_values, replies):
+            common += 4 * (tf.size(values, out_type=tf.int64)
+                           + tf.size(reply, out_type=tf.int64))
+        dense = 4 * sum(layout.main_size for layout in layouts)
+        return [self._bytes_sent.assign(payload_bytes),
+                self._wire.assign(tf.stack([common + payload_bytes, common + dense]))]
+
+    def logs(self, layouts):
+        dense = 4 * sum(layout.main_size for layout in layouts)
+        wire = self._wire.read_value()
+        return compression_logs({"bytes_sent": self._bytes_sent.read_value(),
+                                 "bytes_dense": tf.constant(dense, tf.int64),
+                                 "bytes_on_wire": wire[0],
+                                 "bytes_on_wire_dense": wire[1]})

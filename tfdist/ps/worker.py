@@ -1,0 +1,456 @@
+"""The worker side of the parameter-server engine: one replica per worker process.
+
+Every worker process runs the user's own script and `model.fit` on its compute device (its
+GPU when it has one). The model's variables are mirrors (`tfdist.ps.variables`) of master
+variables spread over the ps tasks by size (`tfdist.ps.placement`); each ps task runs the
+updater of its own shard (`tfdist.ps.service`).
+
+`ParameterServerExtended` runs the worker's part of a run: joining it (the spec, placement,
+binding the mirrors to the masters), each step's push-and-receive with every ps task, pulling
+the masters, leaving. What a step pushes, and so what a variable is for, is its push's
+(`tfdist.ps.push`: the gradient, or the model every `period` steps); the compressed push is
+`tfdist.ps.push_codec`.
+"""
+
+import atexit
+import logging
+import threading
+import time
+
+import tensorflow as tf
+
+from tfdist import _tf_compat
+from tfdist._worker import BetweenGraphExtendedMixin
+from tfdist._worker import check_positive_seconds
+from tfdist.cluster.network import CONNECT_TIMEOUT_ENV
+from tfdist.cluster.network import INIT_TIMEOUT_ENV
+from tfdist.cluster.network import timeout_from_env
+from tfdist.ps import placement
+from tfdist.ps import protocol
+from tfdist.ps.client import RunError
+from tfdist.ps.client import ShardClient
+from tfdist.ps.connection import PSConnection
+from tfdist.ps.push import check_split
+from tfdist.ps.push_codec import PushCodec
+from tfdist.ps.push_codec import push_compressor
+from tfdist.ps.variables import MirrorVariable
+from tfdist.ps.variables import Part
+from tfdist.ps.variables import replica_step
+
+log = logging.getLogger("tfdist")
+
+
+class _Step:
+    """What one call of the replica function (a trace, or an eager step) did."""
+
+    def __init__(self):
+        self.expected = None    # gradients in the last batch all-reduce
+        self.recorded = []      # (variable, gradient) of the optimizer's updates
+        self.trained = False    # the step trained: its push ran, or its model was updated
+
+
+class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExtended):
+    """The engine of the parameter-server strategies (one replica per worker process).
+
+    Args:
+      container_strategy: the public strategy.
+      make_policy: `num_workers -> policy`.
+      push: what a step pushes (`tfdist.ps.push`: `GradientPush()` or `ModelPush(...)`).
+      cluster, init_timeout, connect_timeout, inter_op_threads, compression,
+        variable_partitioner: as documented on `SoftSyncStrategy`.
+    """
+
+    def __init__(self, container_strategy, make_policy, push, cluster=None, init_timeout=None,
+                 connect_timeout=None, inter_op_threads=1, compression=None,
+                 variable_partitioner=placement.AUTO):
+        compressor = push_compressor(compression)
+        partitioner = placement.check_partitioner(variable_partitioner)
+        # None: what the launcher exported (600 s in Kubernetes pods), else 60 / 30 s.
+        if init_timeout is None:
+            init_timeout = timeout_from_env(INIT_TIMEOUT_ENV, 60.0)
+        if connect_timeout is None:
+            connect_timeout = timeout_from_env(CONNECT_TIMEOUT_ENV, 30.0)
+        for name, value in (("init_timeout", init_timeout),
+                            ("connect_timeout", connect_timeout)):
+            check_positive_seconds(name, value)
+        config = PSConnection.validate(cluster)
+        policy = make_policy(config.num_workers)
+        connection = PSConnection(config, connect_timeout=connect_timeout,
+                                  inter_op_threads=inter_op_threads)
+        super().__init__(container_strategy, connection.compute_device)
+        self._connection = connection
+        self._policy = policy
+        self._init_timeout = init_timeout
+        self._partitioner = partitioner
+        self._placement = None
+        self._mirrors = []
+        self._paths = {}
+        self._tls = threading.local()
+        self._clients = None
+        self._shards = None
+        self._layouts = None
+        self._left = False
+        self._codec = (None if compressor is None
+                       else PushCodec(compressor, container_strategy, connection))
+        with tf.init_scope(), tf.device(connection.host_device):
+            # The global step of each shard's weights this worker holds (its pushes' tags).
+            self._tags = tf.Variable(tf.zeros([connection.num_ps], tf.int64), trainable=False,
+                                     name="tfdist_tags")
+            self._stats = tf.Variable(tf.zeros([protocol.num_stats(connection.num_workers)],
+                                               tf.int64), trainable=False, name="tfdist_stats")
+        self._push = push
+        push.attach(self)
+        atexit.register(self.leave)
+
+    # Variables ---------------------------------------------------------------------------
+
+    def _create_variable(self, next_creator, **kwargs):
+        if self._codec is not None:
+            self._codec.attach(_tf_compat.keras_optimizer_in_scope())
+        if (kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ
+                or self._clients is not None):
+            # Metric state, and anything made after the run started, stays with the worker.
+            return super()._create_variable(next_creator, **kwargs)
+        with tf.init_scope():
+            initial_value = kwargs.get("initial_value")
+            if callable(initial_value):
+                initial_value = initial_value()
+            initial_value = tf.convert_to_tensor(initial_value, dtype=kwargs.get("dtype"))
+        kwargs["initial_value"] = initial_value
+        kwargs.setdefault("dtype", initial_value.dtype)
+        role = self._push.role(kwargs, _tf_compat.keras_optimizer_in_scope())
+        if role is None:
+            return super()._create_variable(next_creator, **kwargs)
+        colocate_with = kwargs.pop("colocate_with", None)
+        path = _tf_compat.keras_variable_path((kwargs.get("name") or "Variable").split(":")[0])
+        count = self._paths.get(path, 0)
+        self._paths[path] = count + 1
+        if count:
+            path = f"{path}#{count}"
+        with tf.init_scope(), tf.device(self._device):
+            variable = MirrorVariable.create(path, role, **kwargs)
+        # Placed when the run starts (`tfdist.ps.placement`), once the optimizer is known.
+        variable._tfdist_colocate = (colocate_with._tfdist_path
+                                     if isinstance(colocate_with, MirrorVariable) else None)
+        # The optimizer's own variables (its step counter, learning rate): a copy on every
+        # ps task, each task's optimizer uses its own; worker 0 initialises them all,
+        # checkpoints read ps task 0's, its writes (a callback's new learning rate) go to all.
+        variable._tfdist_everywhere = (role == protocol.OPTIMIZER
+                                       and variable._tfdist_colocate is None)
+        self._mirrors.append(variable)
+        return variable
+
+    def _validate_colocate_with_variable(self, colocate_with_variable):
+        del colocate_with_variable
+
+    # The step ----------------------------------------------------------------------------
+
+    def _call_for_each_replica(self, fn, args, kwargs):
+        step = _Step()
+        previous = getattr(self._tls, "step", None)
+        self._tls.step = step
+        try:
+            with replica_step():
+                result = super()._call_for_each_replica(fn, args, kwargs)
+                if step.trained and previous is None:
+                    self._push.after_step()
+        finally:
+            self._tls.step = previous
+        if previous is not None:
+            # A nested call (a LossScaleOptimizer applies in its own replica call): the
+            # outer step's logs tell what it did.
+            previous.trained = previous.trained or step.trained
+            return result
+        if not step.trained or not isinstance(result, dict):
+            return result
+        return {**result, **self._logs()}
+
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        step = getattr(self._tls, "step", None)
+        if step is not None:
+            # Keras all-reduces the gradients, then updates each variable: the updates that
+            # follow tell which variable each gradient belongs to.
+            step.expected = len(value_destination_pairs)
+        return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+
+    def _update(self, var, fn, args, kwargs, group):
+        step = getattr(self._tls, "step", None)
+        if step is None or self._push.update(step, var, args):
+            return super()._update(var, fn, args, kwargs, group)
+        return var if group else (var,)  # the push took it: the ps applies it
+
+    # Joining a run -----------------------------------------------------------------------
+
+    def _ensure_run(self, pushed_variables=(), sparse_variables=()):
+        """At the first training trace: joins (or starts) the run on every ps task.
+
+        `sparse_variables` are pushed as the rows their gradient touches (embeddings)."""
+        if self._clients is not None:
+            return
+        pushed = {id(v) for v in pushed_variables}
+        num_ps = self._connection.num_ps
+        for variable in self._mirrors:
+            if variable._tfdist_role == protocol.GRADIENT and id(variable) not in pushed:
+                variable._tfdist_role = protocol.VALUE  # trainable, but no gradient reaches it
+        # What the push adds to the spec's entries (update options, `sparse`, `outer`).
+        fields = self._push.prepare_run({id(v) for v in sparse_variables})
+        self._placement = self._plan(fields)
+        entries = [[] for _ in range(num_ps)]
+        self._shards = [[] for _ in range(num_ps)]
+        for variable in self._mirrors:
+            role = variable._tfdist_role
+            entry = {"path": variable._tfdist_path, "shape": variable.shape.as_list(),
+                     "dtype": variable.dtype.name, "role": role, **fields.get(id(variable), {})}
+            for shard, rows in self._placement[variable._tfdist_path]:
+                part = Part(variable, rows)
+                entries[shard].append({**entry, "shape": part.shape,
+                                       "rows": None if rows is None else list(rows)})
+                if role in protocol.PUSHED_ROLES:
+                    self._shards[shard].append(part)
+        for parts in self._shards:
+            order = {protocol.GRADIENT: 0, protocol.AVERAGE: 0, protocol.VALUE: 1}
+            parts.sort(key=lambda p: order[p.variable._tfdist_role])
+        clients = [ShardClient(self._connection, s) for s in range(num_ps)]
+        answers = []
+        with tf.init_scope():
+            for shard, client in enumerate(clients):
+                answers.append(client.hello(self._spec(shard, entries[shard]),
+                                            timeout=self._init_timeout))
+            if any(a["initialize"] for a in answers):
+                log.info("tfdist: %s initialises the run's master variables",
+                         self._connection.task_name)
+            mirrors = {v._tfdist_path: v for v in self._mirrors}
+            with replica_step():  # the chief's own values, read before any is bound
+                initial = ({path: v.read_value() for path, v in mirrors.items()}
+                           if any(a["initialize"] for a in answers) else {})
+            for shard, (client, answer) in enumerate(zip(clients, answers)):
+                for path, places in self._placement.items():
+                    variable = mirrors[path]
+                    for rows in (rows for s, rows in places if s == shard):
+                        master = client.masters[path]
+                        if answer["initialize"]:
+                            master.assign(Part(variable, rows).take(initial[path]),
+                                          read_value=False)
+                        variable.bind(master, rows)
+                        if not self._connection.is_chief:
+                            # Every worker runs the user's callbacks; only the chief's eager
+                            # writes reach the masters (a learning rate halved once, not
+                            # once per worker; one worker's best weights restored, not
+                            # each one's).
+                            variable.follow()
+            self._clients = clients
+            self._layouts = [protocol.ShardLayout(e) for e in entries]
+            for client, layout in zip(clients, self._layouts):
+                dtypes = (self._codec.queue_dtypes(layout) if self._codec is not None
+                          else [tf.float32])
+                client.open_push_queue(dtypes, len(layout.sparse))
+            self._pull()
+
+    def _plan(self, fields):
+        """`{path: [(ps_index, rows)]}`: where each mirror's master parts live."""
+        partitioner = self._partitioner
+        elementwise = check_split(self._push, partitioner)
+        items = []
+        for variable in self._mirrors:
+            constraint = fields.get(id(variable), {}).get("constraint")
+            splittable = elementwise and (
+                constraint is None or constraint.get("class_name") == "NonNeg")
+            items.append(placement.Item(
+                variable._tfdist_path, variable.shape.as_list(), variable.dtype,
+                splittable=splittable, everywhere=variable._tfdist_everywhere,
+                colocate_with=variable._tfdist_colocate))
+        return placement.plan(items, self._connection.num_ps, partitioner)
+
+    def placement(self):
+        """Where the masters live, per ps task: `task`, `variables` (`{path: rows}`, rows
+        `[begin, end]` of a part or None for the whole variable), `bytes_held` (with the
+        optimizer's slots) and `bytes_pushed` (what one push of a worker carries there; for
+        an embedding pushed as rows, its whole size: the most a push can carry)."""
+        if self._clients is None:
+            raise ValueError("the masters are placed when the first training step starts")
+        out = [{"task": name, "variables": {}, "bytes_held": 0, "bytes_pushed": 0}
+               for name in self._connection.ps_names]
+        mirrors = {v._tfdist_path: v for v in self._mirrors}
+        for path, places in self._placement.items():
+            for shard, rows in places:
+                part = Part(mirrors[path], rows)
+                out[shard]["variables"][path] = None if rows is None else list(rows)
+                out[shard]["bytes_held"] += placement.nbytes(part.shape, part.variable.dtype)
+        for shard, layout in enumerate(self._layouts):
+            out[shard]["bytes_pushed"] = 4 * (layout.main_size + layout.value_size)
+        return out
+
+    def _spec(self, shard, entries):
+        config = self._connection.config
+        # The optimizers the ps tasks rebuild: they import a custom one's module.
+        applied = self._push.rebuilt_optimizers()
+        imports = [module for module in (type(o).__module__ for o in applied)
+                   if not module.startswith("keras.")]
+        policy = self._policy.to_spec()
+        if ":" in str(policy.get("staleness", "")):
+            imports.append(policy["staleness"])
+        return {**self._push.spec(), "policy": policy, "num_workers": config.num_workers,
+                "worker_tasks": self._connection.training_tasks,
+                "worker_addresses": self._connection.training_addresses,
+                "num_ps": config.num_ps, "shard": shard, "variables": entries,
+                "imports": imports,
+                "compression": None if self._codec is None else self._codec.spec(),
+                "init_timeout": self._init_timeout}
+
+    def _pull(self):
+        """Takes the current master weights of every shard (eagerly)."""
+        with tf.init_scope(), replica_step():
+            self._assign_replies([client.sync() for client in self._clients])
+
+    def _assign_replies(self, replies):
+        """Writes every shard's reply `(token, stats, values)` into the mirrors (the parts of
+        a split variable joined), the tags and the telemetry; returns the updates."""
+        updates, split = [], {}
+        for shard, (_, _, values) in enumerate(replies):
+            main, rest = self._layouts[shard].split_reply(values)
+            for part, value in zip(self._shards[shard], main + rest):
+                if part.rows is None:
+                    updates.append(part.variable.assign(value, read_value=False))
+                else:
+                    split.setdefault(id(part.variable), (part.variable, []))[1].append(
+                        (part.rows, value))
+            updates += self._push.on_reply(shard, values)
+        for variable, parts in split.values():
+            parts.sort(key=lambda p: p[0])
+            updates.append(variable.assign(tf.concat([v for _, v in parts], axis=0),
+                                           read_value=False))
+        updates.append(self._tags.assign(tf.stack([token for token, _, _ in replies]),
+                                         read_value=False))
+        updates.append(self._stats.assign(replies[0][1], read_value=False))
+        return updates
+
+    # The exchange ----------------------------------------------------------------------
+
+    def _exchange(self, main_tensor):
+        """One push-and-receive per ps task, in parallel; the replies land in the mirrors."""
+        updates, sent, pushed_values = [], [], []
+        # One read of every shard's tag before any push: a read per shard after the previous
+        # shard's reply was written would make each round trip wait for the one before.
+        tags = tf.unstack(self._tags.read_value())
+        replies = []
+        for shard, client in enumerate(self._clients):
+            layout = self._layouts[shard]
+            parts = self._shards[shard]
+            tensors = [main_tensor(p) for p in parts[:len(layout.main)]]
+            main = protocol.ShardLayout.flatten(
+                [t for t, e in zip(tensors, layout.main) if not e.get("sparse")])
+            rows = [protocol.sparse_rows(t, e)
+                    for t, e in zip(tensors, layout.main) if e.get("sparse")]
+            values = protocol.ShardLayout.flatten(
+                [p.take(p.variable.read_value()) for p in parts[len(layout.main):]])
+            tag = tags[shard]
+            pushed_values.append(values)
+            payload, state_updates = (main, *[c for pair in rows for c in pair]), []
+            if self._codec is not None:
+                payload, state_updates = self._codec.compress(layout, shard, main, tag,
+                                                              self._push.optimizer)
+                sent.append(payload)
+            # Shards do not wait for each other: their round trips overlap.
+            with tf.control_dependencies(state_updates):
+                replies.append(client.push_and_receive(tag, payload, values))
+        updates += self._assign_replies(replies)
+        if sent:
+            updates += self._codec.measure(self._layouts, sent, pushed_values, replies)
+        return tf.group(updates)
+
+    def _logs(self):
+        stats = self._stats.read_value()
+        logs = self._push.logs(stats)
+        if self._policy.measures_staleness:
+            aggregated = tf.maximum(stats[protocol.STAT_AGGREGATED], 1)
+            logs["staleness_mean"] = (tf.cast(stats[protocol.STAT_STALENESS_SUM], tf.float32)
+                                      / tf.cast(aggregated, tf.float32))
+            logs["staleness_max"] = stats[protocol.STAT_STALENESS_MAX]
+        if self._codec is not None:
+            logs.update(self._codec.logs(self._layouts))
+        return logs
+
+    # Lifecycle ---------------------------------------------------------------------------
+
+    def leave(self, wait=False, timeout=None):
+        """Ends this worker's part in training.
+
+        The push first sends what it owes (model averaging: the steps taken since the
+        last round). With `wait`
+        (the chief's `join()`), leaves, then waits until every other worker has left or
+        died, so that the weights this worker then takes are final. The local model ends on
+        the master weights. Called at exit (without waiting).
+        """
+        if self._left:
+            return
+        self._left = True
+        try:
+            if self._clients is None:
+                for shard in range(self._connection.num_ps):
+                    ShardClient(self._connection, shard).absent()
+                return
+            self._push.before_leave()
+            if not wait:
+                try:
+                    self._pull()
+                finally:
+                    self._send_leave()
+                return
+            # Leave first: a worker whose last push waits for a partner must not wait for
+            # this one. Once the others are gone nothing changes the masters: read them.
+            self._send_leave()
+            self._wait_for_others(timeout)
+            self._take_masters()
+        except (tf.errors.OpError, RunError) as e:
+            gone = self._connection.unreachable_ps()
+            if not gone:
+                log.warning("tfdist: %s could not leave the run cleanly: %s",
+                            self._connection.task_name, e)
+                return
+            log.error("tfdist: %s stopped answering: its shard of the master variables is "
+                      "gone, and no worker can train on without it (TensorFlow's "
+                      "UnavailableError above is that). Restart the job; the chief's last "
+                      "checkpoint holds the model",
+                      ", ".join(f"{name} at {address}" for name, address in gone))
+
+    def _send_leave(self):
+        for client in self._clients:
+            try:
+                client.send_control(protocol.LEAVE)
+            except tf.errors.OpError:
+                pass  # the run has ended (its queues are closed)
+
+    def _take_masters(self):
+        with tf.init_scope(), replica_step():
+            variables = {id(p.variable): p.variable for parts in self._shards for p in parts}
+            for variable in variables.values():
+                variable.assign(variable.master_value(), read_value=False)
+            self._stats.assign(self._clients[0].progress.read_value(), read_value=False)
+
+    def _wait_for_others(self, timeout):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        me = self._connection.rank
+        while True:
+            live = set(self._clients[0].read_progress()["live"]) - {me}
+            if not live:
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                log.warning("tfdist: %s stops waiting for %s after %g s",
+                            self._connection.task_name,
+                            [self._connection.training_tasks[r] for r in sorted(live)], timeout)
+                return
+            time.sleep(0.1)
+
+    def compression_states(self):
+        """The codec states (push residuals) of the optimizers made under this strategy."""
+        return [] if self._codec is None else self._codec.states()
+
+    def reset_compression_state(self):
+        if self._codec is not None:
+            self._codec.reset()
+
+    def progress(self):
+        if self._clients is None:
+            return protocol.progress_dict([0] * protocol.num_stats(self._connection.num_workers),
+                                          self._connection.num_workers)
+        return self._clients[0].read_progress()
