@@ -13,6 +13,7 @@ import tensorflow as tf
 
 from tfdist.cluster import is_listening
 from tfdist.ps import protocol
+from tfdist.ps import wire
 from tfdist.ps.protocol import DIED
 from tfdist.ps.protocol import EXPECTED
 from tfdist.ps.protocol import LEFT
@@ -97,6 +98,14 @@ class Membership:
             return None
         self._set(rank, DIED)
         return was
+
+
+def control_message(text):
+    """A message of the control queue (hello, absent, stop), as the dict the service acts on.
+
+    What a worker says about itself reaches a run only through here and `LivenessWatcher`.
+    """
+    return wire.decode(text)
 
 
 def probe(address):

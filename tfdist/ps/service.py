@@ -31,6 +31,7 @@ from tfdist.ps import protocol
 from tfdist.ps import wire
 from tfdist.ps.membership import LivenessWatcher
 from tfdist.ps.membership import Membership
+from tfdist.ps.membership import control_message
 from tfdist.ps.policies import policy_from_spec
 from tfdist.ps.protocol import LIVE
 from tfdist.ps.spec import ShardSpec
@@ -298,7 +299,7 @@ class PSService:
             with tf.device(self.device):
                 text = tf.raw_ops.QueueDequeueV2(handle=self.control,
                                                  component_types=[tf.string])[0]
-            message = wire.decode(text.numpy())
+            message = control_message(text.numpy())
             try:
                 if message["type"] == "hello":
                     self._hello(message)

@@ -324,7 +324,10 @@ class ShardUpdateGraph:
         """Applies the mean of the accepted pushes; returns the new global step.
 
         The non-trainable values take their mean; the main variables are updated by
-        `_apply_average` (model averaging) or `_apply_gradients` (the optimizer, once).
+        `_apply_average` (model averaging) or `_apply_gradients` (the optimizer, once). Each
+        takes the mean main vector, the collected state and the updates to order after; an
+        update of other entries (rows of a table kept on the ps: gather, apply, scatter) is
+        one more such method over its entries.
         """
         count = tf.cast(state["accepted"], tf.float32)
         updates = []
