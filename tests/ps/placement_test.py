@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.ps import placement
-from tfdist.ps import protocol
+from tfdist.ps.spec import ShardSpec
 from tfdist.ps.variables import MirrorVariable
 from tfdist.ps.variables import replica_step
 
@@ -108,13 +108,18 @@ class PlanTest(tf.test.TestCase):
                  "role": "gradient", "rows": [0, 32]}
         bias = {"path": "dense/bias", "shape": [64], "dtype": "float32", "role": "gradient",
                 "rows": None}
-        run = {"variables": [entry, bias]}
-        self.assertIsNone(protocol.compare_specs(run, {"variables": [entry, bias]}))
+
+        def spec(*variables):
+            return ShardSpec(mode="gradients", policy={}, num_workers=1, worker_tasks=["w"],
+                             worker_addresses=["a"], num_ps=2, shard=0, variables=variables)
+
+        run = spec(entry, bias)
+        self.assertIsNone(run.difference(spec(entry, bias)))
         moved = {**entry, "rows": [32, 64]}
-        self.assertRegex(protocol.compare_specs(run, {"variables": [moved, bias]}),
+        self.assertRegex(run.difference(spec(moved, bias)),
                          r"'dense/kernel' has rows \[32, 64\], in the run \[0, 32\] "
                          r"\(the same `variable_partitioner`")
-        self.assertRegex(protocol.compare_specs(run, {"variables": [bias, entry]}),
+        self.assertRegex(run.difference(spec(bias, entry)),
                          "in another order")
 
     def test_elementwise_optimizers(self):

@@ -1,13 +1,12 @@
-"""The worker/ps protocol: int64s travel exactly as the float32 words of their bits; a sparse
+"""The worker/ps message format: int64s travel exactly as the float32 words of their bits; a sparse
 gradient's rows land in place on the ps."""
 
 import numpy as np
 import tensorflow as tf
 
 import tfdist
-from tfdist._bitcast import floats_as_ints
-from tfdist._bitcast import ints_as_floats
 from tfdist.ps import protocol
+from tfdist.ps import wire
 from tfdist.ps.variables import Part
 
 
@@ -20,9 +19,9 @@ class PackTest(tf.test.TestCase):
 
         @tf.function
         def round_trip(ints, values):
-            packed = tf.concat([ints_as_floats(ints), values], axis=0)
+            packed = tf.concat([wire.ints_as_floats(ints), values], axis=0)
             head, rest = tf.split(packed, [2 * len(ints), -1])
-            return floats_as_ints(head), rest
+            return wire.floats_as_ints(head), rest
 
         for values in (tf.zeros([0]), tf.constant([1.5, -2.0, np.nan])):
             got, rest = round_trip(tf.constant(ints), values)
@@ -41,7 +40,7 @@ class SparseRowsTest(tf.test.TestCase):
         self.assertEqual(layout.sparse, [(6, 2)])
         gradient = tf.IndexedSlices(tf.constant([[1.0, 2.0], [3.0, 4.0], [10.0, 20.0]]),
                                     tf.constant([3, 0, 3]), dense_shape=[4, 2])
-        rows = protocol.sparse_rows(gradient, entries[1])
+        rows = wire.sparse_rows(gradient, entries[1])
         got = layout.densify(tf.range(9, dtype=tf.float32), [rows])
         want = np.concatenate([np.arange(6), [3, 4, 0, 0, 0, 0, 11, 22], [6, 7, 8]])
         self.assertAllEqual(got, want)
@@ -50,30 +49,6 @@ class SparseRowsTest(tf.test.TestCase):
         part = Part(variable, (2, 4)).take(gradient)
         self.assertAllEqual(part.indices, [1, 1])
         self.assertAllEqual(part.values, [[1.0, 2.0], [10.0, 20.0]])
-
-    def test_a_worker_pushing_an_embedding_otherwise_is_refused_by_name(self):
-        entry = {"path": "e", "shape": [4, 2], "dtype": "float32", "role": "gradient"}
-        spec = {"variables": [entry]}
-        self.assertEqual(protocol.compare_specs(spec, {"variables": [{**entry,
-                                                                      "sparse": True}]}),
-                         "variable 'e' has sparse True, in the run None")
-
-    def test_a_worker_with_another_outer_optimizer_is_refused(self):
-        # Model averaging: the outer optimizer, and the variables it updates, must agree; a
-        # learning rate a callback may set differs harmlessly, as for the optimizer.
-        entry = {"path": "k", "shape": [2], "dtype": "float32", "role": "average",
-                 "outer": True}
-        sgd = {"class_name": "SGD", "config": {"learning_rate": 0.7, "momentum": 0.9}}
-        spec = {"variables": [entry], "outer_optimizer": sgd}
-        self.assertIsNone(protocol.compare_specs(spec, {
-            "variables": [entry], "outer_optimizer": {**sgd, "config": {
-                "learning_rate": 0.1, "momentum": 0.9}}}))
-        self.assertRegex(protocol.compare_specs(spec, {"variables": [entry],
-                                                       "outer_optimizer": None}),
-                         r"^its outer optimizer is None, the run's is \{'class_name': 'SGD'")
-        self.assertEqual(protocol.compare_specs(spec, {
-            "variables": [{**entry, "outer": None}], "outer_optimizer": sgd}),
-            "variable 'k' has outer None, in the run True")
 
 
 class CompressedPushTest(tf.test.TestCase):
@@ -91,8 +66,8 @@ class CompressedPushTest(tf.test.TestCase):
         # quantiser codes it with its own norm. The bias, under min_size, travels exactly.
         layout = self._layout()
         qsgd = tfdist.compression.get("qsgd", min_size=64)
-        self.assertEqual(protocol.push_units(layout, qsgd), ([[0], [1]], [2]))
-        self.assertEqual(protocol.compressed_push_dtypes(layout, qsgd),
+        self.assertEqual(wire.push_units(layout, qsgd), ([[0], [1]], [2]))
+        self.assertEqual(wire.compressed_push_dtypes(layout, qsgd),
                          [tf.int8, tf.float32, tf.int8, tf.float32, tf.float32])
         big, small, bias = (tf.random.stateless_normal(s, seed=[i, 1]) * scale
                             for i, (s, scale) in enumerate([([2048], 1.0), ([128], 1e-3),
@@ -100,8 +75,8 @@ class CompressedPushTest(tf.test.TestCase):
         main = tf.concat([big, small, bias], 0)
         key = tf.constant([5, 1], tf.int64)
         states = [qsgd.initial_state([2048], tf.float32), qsgd.initial_state([128], tf.float32)]
-        payload, _ = protocol.encode_push(layout, qsgd, main, states, key)
-        decoded = protocol.decode_push(layout, qsgd, payload, key)
+        payload, _ = wire.encode_push(layout, qsgd, main, states, key)
+        decoded = wire.decode_push(layout, qsgd, payload, key)
         got_small = decoded[2048:2176]
         cosine = float(tf.reduce_sum(got_small * small)
                        / (tf.norm(got_small) * tf.norm(small)))
@@ -109,7 +84,7 @@ class CompressedPushTest(tf.test.TestCase):
         self.assertAllEqual(decoded[2176:], bias)
         # A top-k ranks over the whole shard: one unit.
         topk = tfdist.compression.get("topk")
-        self.assertEqual(protocol.push_units(layout, topk), ([[0, 1, 2]], []))
+        self.assertEqual(wire.push_units(layout, topk), ([[0, 1, 2]], []))
 
 
 if __name__ == "__main__":

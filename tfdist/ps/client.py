@@ -5,9 +5,9 @@ import time
 
 import tensorflow as tf
 
-from tfdist._bitcast import floats_as_ints
-from tfdist._bitcast import ints_as_floats
 from tfdist.ps import protocol
+from tfdist.ps import wire
+from tfdist.ps.spec import spec_of
 
 # The largest payload (bytes) that travels packed with the push's head and values.
 PACK_LIMIT = 16 << 20
@@ -44,7 +44,7 @@ class ShardClient:
     def _send_control(self, message):
         with tf.init_scope(), tf.device(self.device):
             tf.raw_ops.QueueEnqueueV2(handle=self.control,
-                                      components=[tf.constant(protocol.encode(message))])
+                                      components=[tf.constant(wire.encode(message))])
 
     def hello(self, spec, timeout=60.0):
         """Joins (or starts) the ps task's run for `spec`; returns the ps's answer.
@@ -52,8 +52,10 @@ class ShardClient:
         Raises `RunError` if no answer comes within `timeout` seconds (a ps task that runs
         no tfdist service: a bare `tf.distribute.Server`).
         """
+        spec = spec_of(spec)
         nonce = os.urandom(8).hex()
-        self._send_control({"type": "hello", "rank": self.rank, "nonce": nonce, "spec": spec})
+        self._send_control({"type": "hello", "rank": self.rank, "nonce": nonce,
+                            "spec": spec.to_json()})
         deadline = time.monotonic() + timeout
         while True:
             with tf.init_scope(), tf.device(self.device):
@@ -67,7 +69,7 @@ class ShardClient:
                     time.sleep(0.02)
                 text = tf.raw_ops.QueueDequeueV2(handle=self.answers,
                                                  component_types=[tf.string])[0]
-            answer = protocol.decode(text.numpy())
+            answer = wire.decode(text.numpy())
             if answer.get("nonce") == nonce:  # older answers were for an earlier process
                 break
         if answer.get("error"):
@@ -81,23 +83,16 @@ class ShardClient:
         self._send_control({"type": "absent", "rank": self.rank})
 
     def open_run(self, run, spec):
+        spec = spec_of(spec)
         self.run = run
-        self.num_workers = spec["num_workers"]
-        name = lambda n: protocol.run_name(run, n)  # noqa: E731
+        self.num_workers = spec.num_workers
         self.push_dtypes = None
-        with tf.init_scope(), tf.device(self.device):
-            self.reply_queue = tf.raw_ops.FIFOQueueV2(
-                component_types=protocol.REPLY_DTYPES, shapes=[], capacity=-1,
-                container=protocol.CONTAINER, shared_name=name(f"reply/{self.rank}"))
+        self.reply_queue = protocol.open_reply_queue(self.device, run, self.rank)
         self.progress, self.masters = protocol.open_run_variables(self.device, run, spec)
 
     def open_push_queue(self, payload_dtypes, num_sparse=0):
-        self.push_dtypes = protocol.push_dtypes(payload_dtypes, num_sparse)
-        with tf.init_scope(), tf.device(self.device):
-            self.push_queue = tf.raw_ops.FIFOQueueV2(
-                component_types=self.push_dtypes, shapes=[], capacity=-1,
-                container=protocol.CONTAINER,
-                shared_name=protocol.run_name(self.run, "push"))
+        self.push_dtypes = wire.push_dtypes(payload_dtypes, num_sparse)
+        self.push_queue = protocol.open_push_queue(self.device, self.run, self.push_dtypes)
 
     # In-graph (or eager) ---------------------------------------------------------------------
 
@@ -117,7 +112,7 @@ class ShardClient:
         Raises in-graph, with the ps's message, if the reply is an error.
         """
         payload = list(payload)
-        head = ints_as_floats(tf.stack([tf.cast(tag, tf.int64),
+        head = wire.ints_as_floats(tf.stack([tf.cast(tag, tf.int64),
                                                  tf.constant(self.rank, tf.int64)]))
         packed = [head, values]
         if (sum(4 * p.shape.num_elements() for p in payload if p.shape.is_fully_defined())
@@ -129,7 +124,7 @@ class ShardClient:
         flat = tf.concat(packed, axis=0)
         with tf.device(self.device):
             head, values, *rest = tf.split(flat, sizes)
-            tag_and_rank = floats_as_ints(head)
+            tag_and_rank = wire.floats_as_ints(head)
             push = tf.raw_ops.QueueEnqueueV2(
                 handle=self.push_queue,
                 components=[tag_and_rank[0], tf.cast(tag_and_rank[1], tf.int32),
@@ -138,18 +133,18 @@ class ShardClient:
                 token, message, stats, values = self._dequeue()
                 check = tf.debugging.Assert(token >= 0, [message])
             with tf.control_dependencies([check]):
-                reply = tf.concat([ints_as_floats(tf.concat([token[None], stats], 0)),
+                reply = tf.concat([wire.ints_as_floats(tf.concat([token[None], stats], 0)),
                                    values], axis=0)
         ints = 2 * (1 + protocol.num_stats(self.num_workers))
         with tf.device(self.connection.host_device):  # the token and stats go to host variables
             head, values = tf.split(reply, [ints, -1])
-            token_and_stats = floats_as_ints(head)
+            token_and_stats = wire.floats_as_ints(head)
         return token_and_stats[0], token_and_stats[1:], values
 
     def _dequeue(self):
         with tf.device(self.device):
             return tf.raw_ops.QueueDequeueV2(handle=self.reply_queue,
-                                             component_types=protocol.REPLY_DTYPES)
+                                             component_types=wire.REPLY_DTYPES)
 
     def send_control(self, kind):
         with tf.init_scope(), tf.device(self.device):

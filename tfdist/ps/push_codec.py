@@ -13,6 +13,7 @@ from tfdist.compression import state as compression_state
 from tfdist.compression.base import sum_payload_bytes
 from tfdist.compression.exchange import compression_logs
 from tfdist.ps import protocol
+from tfdist.ps.wire import push_key
 
 
 def push_compressor(compression):
@@ -34,12 +35,6 @@ def push_compressor(compression):
             f"replicas; a parameter-server push carries one message per step. Allowed "
             f"here: {allowed}")
     return compressor
-
-
-def push_key(tag, rank, shard, num_workers):
-    """The key a push's compressor draws its random choices from (same on both sides)."""
-    return tf.stack([tf.cast(tag, tf.int64),
-                     tf.cast(rank, tf.int64) + tf.cast(shard * num_workers, tf.int64)])
 
 
 class PushCodec:

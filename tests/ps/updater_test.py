@@ -1,0 +1,286 @@
+"""The ps update graph in one process, against numpy: collect (N of M, stale pushes dropped,
+counted), apply (the user's optimizer once per update, on the mean), staleness and its
+learning-rate factor, SSP's wait and release, DC-ASGD, pushed state, model averaging.
+
+The graph runs on queues and variables created here, on the local CPU, as the ps service
+opens them on its task: no cluster.
+"""
+
+import itertools
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.ps import protocol
+from tfdist.ps import wire
+from tfdist.ps.policies import AsyncPolicy
+from tfdist.ps.policies import AveragingPolicy
+from tfdist.ps.policies import SoftSyncPolicy
+from tfdist.ps.spec import ShardSpec
+from tfdist.ps.updater import ShardUpdateGraph
+from tfdist.ps.updater import shard_push_dtypes
+
+DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"
+_runs = itertools.count()
+
+
+class Shard:
+    """A shard's run opened in this process: its graph, and a worker's view of its queues."""
+
+    def __init__(self, variables, policy, initial, num_workers=2, optimizer=None,
+                 outer_optimizer=None, delta=False):
+        self.spec = ShardSpec(
+            mode="averaging" if policy.averages_weights else "gradients",
+            policy=policy.to_spec(), num_workers=num_workers,
+            worker_tasks=[f"/job:worker/task:{r}" for r in range(num_workers)],
+            worker_addresses=[f"localhost:{r}" for r in range(num_workers)], num_ps=1,
+            shard=0, variables=variables, optimizer=optimizer,
+            outer_optimizer=outer_optimizer, delta=delta, init_timeout=10.0)
+        run = f"updater-test-{next(_runs)}"
+        layout = protocol.ShardLayout(self.spec.variables)
+        self.push_dtypes = shard_push_dtypes(layout, None)
+        push_queue = protocol.open_push_queue(DEVICE, run, self.push_dtypes)
+        self.reply_queues = [protocol.open_reply_queue(DEVICE, run, r)
+                             for r in range(num_workers)]
+        self.progress, masters = protocol.open_run_variables(DEVICE, run, self.spec)
+        for path, master in masters.items():
+            master.assign(initial[path])
+        self.progress.assign(tf.zeros([protocol.num_stats(num_workers)], tf.int64))
+        self.masters = masters
+        self.queue = push_queue
+        self.graph = ShardUpdateGraph(self.spec, DEVICE, push_queue, self.reply_queues,
+                                      self.progress, masters, task="/job:ps/task:0")
+        self.state = self.graph.empty_state()
+        self.live = tf.constant([True] * num_workers)
+
+    def push(self, tag, rank, main, values=()):
+        tf.raw_ops.QueueEnqueueV2(handle=self.queue, components=[
+            tf.constant(tag, tf.int64), tf.constant(rank, tf.int32),
+            tf.constant(np.ravel(main), tf.float32), tf.constant(np.ravel(values), tf.float32)])
+
+    def serve(self, required=1):
+        """Serves the pushes made so far (then returns, at a control entry)."""
+        tf.raw_ops.QueueEnqueueV2(handle=self.queue, components=[
+            tf.constant(protocol.STOP, tf.int64), tf.constant(0, tf.int32),
+            *[tf.zeros([0], d) for d in self.push_dtypes[2:]]])
+        self.state, event, _ = self.graph.serve_updates(tf.constant(required), self.live,
+                                                        self.state)
+        assert int(event) == -protocol.STOP
+
+    def replies(self, rank):
+        """`[(token, message, values)]` of the replies waiting for worker `rank`."""
+        queue = self.reply_queues[rank]
+        out = []
+        while int(tf.raw_ops.QueueSizeV2(handle=queue)):
+            token, message, _, values = tf.raw_ops.QueueDequeueV2(
+                handle=queue, component_types=wire.REPLY_DTYPES)
+            out.append((int(token), message.numpy().decode(), values.numpy()))
+        return out
+
+    def value(self, path):
+        return self.masters[path].numpy()
+
+    def progress_dict(self):
+        """The run's progress, with the pushes dropped since the last update (the next
+        update records them)."""
+        progress = protocol.progress_dict(self.progress.numpy(), self.spec.num_workers)
+        progress["dropped_gradients"] += int(self.state["dropped"])
+        return progress
+
+
+def entry(path, shape, role="gradient", dtype="float32", **fields):
+    return {"path": path, "shape": list(shape), "dtype": str(dtype), "role": role, **fields}
+
+
+def sgd(learning_rate, **kwargs):
+    return keras.optimizers.serialize(keras.optimizers.SGD(learning_rate, **kwargs))
+
+
+class CollectAndApplyTest(tf.test.TestCase):
+
+    def test_n_of_m_applies_the_mean_once_and_drops_a_stale_push(self):
+        w0 = np.array([1.0, -2.0, 3.0], np.float32)
+        g = np.array([[0.5, 1.0, -1.0], [1.5, -3.0, 2.0], [9.0, 9.0, 9.0]], np.float32)
+        shard = Shard([entry("d/w", [3])], SoftSyncPolicy(2, 3), {"d/w": w0},
+                      num_workers=3, optimizer=sgd(0.1))
+        for rank in range(3):
+            shard.push(0, rank, g[rank])
+        shard.serve(required=2)
+        want = w0 - 0.1 * g[:2].mean(axis=0)
+        self.assertAllClose(shard.value("d/w"), want, rtol=1e-6)
+        # The first two make update 1 and are answered with its weights; the third was
+        # computed at step 0 < 1: dropped, its worker sent the current weights at once.
+        for rank in range(3):
+            (token, message, values), = shard.replies(rank)
+            self.assertEqual((token, message), (1, ""))
+            self.assertAllClose(values, want, rtol=1e-6)
+        progress = shard.progress_dict()
+        self.assertEqual({k: progress[k] for k in ("global_step", "updates",
+                                                   "dropped_gradients",
+                                                   "aggregated_gradients")},
+                         {"global_step": 1, "updates": 1, "dropped_gradients": 1,
+                          "aggregated_gradients": 2})
+        self.assertEqual(int(shard.graph.optimizer.iterations), 1)
+
+    def test_adam_steps_once_per_update_on_the_mean(self):
+        w0 = np.array([0.3, -0.7], np.float32)
+        pushes = np.array([[[1.0, -2.0], [3.0, 0.5]], [[-1.0, 4.0], [0.2, 0.2]]], np.float32)
+        shard = Shard([entry("d/w", [2])], SoftSyncPolicy(2, 2), {"d/w": w0},
+                      optimizer=keras.optimizers.serialize(keras.optimizers.Adam(0.01)))
+        w, m, v = w0.astype(np.float64), 0.0, 0.0
+        for step, gradients in enumerate(pushes, start=1):
+            for rank in range(2):
+                shard.push(step - 1, rank, gradients[rank])
+            shard.serve(required=2)
+            g = gradients.mean(axis=0)
+            m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+            alpha = 0.01 * np.sqrt(1 - 0.999 ** step) / (1 - 0.9 ** step)
+            w = w - alpha * m / (np.sqrt(v) + 1e-7)
+            self.assertAllClose(shard.value("d/w"), w, rtol=1e-5)
+        self.assertEqual(int(shard.graph.optimizer.iterations), 2)
+        self.assertEqual(shard.progress_dict()["global_step"], 2)
+
+
+class StalenessTest(tf.test.TestCase):
+
+    def test_inverse_staleness_scales_the_learning_rate(self):
+        w0 = np.array([1.0, 2.0], np.float32)
+        g = np.array([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]], np.float32)
+        shard = Shard([entry("d/w", [2])], AsyncPolicy("inverse"), {"d/w": w0},
+                      optimizer=sgd(0.5))
+        # Each push was computed at step 0: staleness 0, 1, 2 when applied.
+        for rank, gradient in zip([0, 1, 0], g):
+            shard.push(0, rank, gradient)
+        shard.serve()
+        want = w0 - 0.5 * g[0] - 0.5 * g[1] - 0.5 / 2 * g[2]
+        self.assertAllClose(shard.value("d/w"), want, rtol=1e-6)
+        progress = shard.progress_dict()
+        self.assertEqual((progress["global_step"], progress["staleness_max"],
+                          progress["staleness_histogram"][:4]), (3, 2, [1, 1, 1, 0]))
+        self.assertAllClose(progress["staleness_mean"], 1.0)
+        self.assertEqual([t for t, _, _ in shard.replies(0)], [1, 3])
+
+    def test_max_staleness_drops_a_push_staler_than_the_bound(self):
+        w0 = np.zeros([2], np.float32)
+        shard = Shard([entry("d/w", [2])], AsyncPolicy(max_staleness=1), {"d/w": w0},
+                      optimizer=sgd(1.0))
+        shard.push(0, 0, [1.0, 0.0])   # staleness 0: step 1
+        shard.push(0, 1, [0.0, 1.0])   # staleness 1: step 2
+        shard.push(0, 0, [5.0, 5.0])   # staleness 2 > 1: dropped
+        shard.serve()
+        self.assertAllClose(shard.value("d/w"), [-1.0, -1.0])
+        progress = shard.progress_dict()
+        self.assertEqual((progress["global_step"], progress["dropped_gradients"],
+                          progress["aggregated_gradients"]), (2, 1, 2))
+        # The dropped push is answered at once with the current weights.
+        self.assertEqual([(t, list(v)) for t, _, v in shard.replies(0)],
+                         [(1, [-1.0, 0.0]), (2, [-1.0, -1.0])])
+
+    def test_ssp_holds_a_worker_ahead_of_the_slowest_until_it_catches_up(self):
+        shard = Shard([entry("d/w", [1])], AsyncPolicy(max_staleness=1, on_stale="wait"),
+                      {"d/w": np.zeros([1], np.float32)}, optimizer=sgd(1.0))
+        shard.push(0, 0, [1.0])   # clocks (1, 0): 1 ahead, released
+        shard.push(1, 0, [1.0])   # clocks (2, 0): 2 ahead, waits
+        shard.serve()
+        self.assertEqual([t for t, _, _ in shard.replies(0)], [1])
+        self.assertEqual(shard.progress_dict()["global_step"], 2)  # applied, not answered
+        shard.push(0, 1, [1.0])   # clocks (2, 1): both within 1 of the slowest
+        shard.serve()
+        self.assertEqual([t for t, _, _ in shard.replies(0)], [3])
+        self.assertEqual([t for t, _, _ in shard.replies(1)], [3])
+        self.assertAllClose(shard.value("d/w"), [-3.0])
+        self.assertEqual(shard.progress_dict()["max_clock_gap"], 1)
+        # Nothing is dropped under "wait", however stale.
+        self.assertEqual(shard.progress_dict()["dropped_gradients"], 0)
+        # A worker held back is released when the slowest one is no longer live.
+        shard.push(3, 0, [1.0])   # clocks (3, 1): waits
+        shard.serve()
+        self.assertEqual(shard.replies(0), [])
+        shard.graph.forget(tf.constant(1))
+        shard.graph.release_caught_up(tf.constant([True, False]))
+        self.assertEqual([t for t, _, _ in shard.replies(0)], [4])
+
+    def test_dc_asgd_compensates_each_push_by_what_its_worker_read(self):
+        lam, lr = 0.5, 0.1
+        w0 = np.array([1.0, -1.0, 2.0], np.float32)
+        g0 = np.array([1.0, 2.0, -1.0], np.float32)
+        g1 = np.array([-2.0, 0.5, 3.0], np.float32)
+        shard = Shard([entry("d/w", [3])], AsyncPolicy(delay_compensation=lam),
+                      {"d/w": w0}, optimizer=sgd(lr))
+        for rank in range(2):  # each worker joins: it reads w0
+            shard.graph.release_one(tf.constant(rank))
+        self.assertEqual([m for _, m, _ in shard.replies(1)], [protocol.SYNC_MESSAGE])
+        shard.push(0, 0, g0)   # worker 0 read w0: no compensation
+        shard.push(0, 1, g1)   # worker 1 read w0, the weights are now w1
+        shard.serve()
+        w1 = w0 - lr * g0
+        w2 = w1 - lr * (g1 + lam * g1 * g1 * (w1 - w0))
+        self.assertAllClose(shard.value("d/w"), w2, rtol=1e-6)
+        # Worker 0 now reads w1: its next push is compensated by w2 - w1.
+        shard.push(1, 0, g0)
+        shard.serve()
+        w3 = w2 - lr * (g0 + lam * g0 * g0 * (w2 - w1))
+        self.assertAllClose(shard.value("d/w"), w3, rtol=1e-6)
+
+
+class StateAndAveragingTest(tf.test.TestCase):
+
+    def test_pushed_state_takes_its_mean_and_frozen_state_stays_exact(self):
+        w0, mean0 = np.array([1.0], np.float32), np.array([0.1, 0.2, 0.3], np.float32)
+        shard = Shard([entry("d/w", [1]), entry("bn/moving_mean", [3], role="value")],
+                      SoftSyncPolicy(2, 2), {"d/w": w0, "bn/moving_mean": mean0},
+                      optimizer=sgd(1.0))
+        v0, v1 = np.array([1.0, 2.0, 3.0]), np.array([3.0, 0.0, 1.0])
+        shard.push(0, 0, [1.0], v0)
+        shard.push(0, 1, [3.0], v1)
+        shard.serve(required=2)
+        self.assertAllClose(shard.value("d/w"), [-1.0])
+        self.assertAllClose(shard.value("bn/moving_mean"), (v0 + v1) / 2, rtol=1e-6)
+        # A reply carries the main variables, then the state.
+        (_, _, values), = shard.replies(0)
+        self.assertAllClose(values, [-1.0, 2.0, 1.0, 2.0])
+        held = shard.value("bn/moving_mean")
+        for _ in range(3):
+            for rank in range(2):
+                shard.push(int(shard.progress_dict()["global_step"]), rank, [0.0], held)
+            shard.serve(required=2)
+        self.assertAllEqual(shard.value("bn/moving_mean"), held)
+
+    def test_model_averaging_assigns_the_mean_model_or_adds_the_mean_change(self):
+        m0, m1 = np.array([1.0, 3.0]), np.array([2.0, -1.0])
+        for delta, want in ((False, (m0 + m1) / 2), (True, 5.0 + (m0 + m1) / 2)):
+            shard = Shard([entry("k", [2], role="average")], AveragingPolicy(2, 2),
+                          {"k": np.full([2], 5.0, np.float32)}, delta=delta)
+            shard.push(0, 0, m0)
+            shard.push(0, 1, m1)
+            shard.serve(required=2)
+            self.assertAllClose(shard.value("k"), want)
+            self.assertEqual(shard.progress_dict()["global_step"], 1)
+
+    def test_outer_optimizer_steps_on_master_minus_the_mean(self):
+        outer = keras.optimizers.SGD(0.7, momentum=0.5)
+        local = keras.Variable(np.zeros([2], np.float32), name="k")
+        outer.build([local])
+        slots = [entry(v.path, v.shape, role="optimizer", dtype=v.dtype)
+                 for v in outer.variables]
+        initial = {v.path: v.numpy() for v in outer.variables}
+        w0 = np.array([1.0, 1.0], np.float32)
+        shard = Shard([entry("k", [2], role="average", outer=True), *slots],
+                      AveragingPolicy(2, 2), {"k": w0, **initial},
+                      outer_optimizer=keras.optimizers.serialize(outer))
+        w, velocity = w0.astype(np.float64), 0.0
+        for round_ in range(2):
+            models = np.array([[0.0, 2.0], [1.0, -2.0]]) + round_
+            for rank in range(2):
+                shard.push(round_, rank, models[rank])
+            shard.serve(required=2)
+            outer_gradient = w - models.mean(axis=0)
+            velocity = 0.5 * velocity - 0.7 * outer_gradient
+            w = w + velocity
+            self.assertAllClose(shard.value("k"), w, rtol=1e-6)
+        self.assertEqual(int(shard.graph.outer_optimizer.iterations), 2)
+
+
+if __name__ == "__main__":
+    tf.test.main()

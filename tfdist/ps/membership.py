@@ -1,0 +1,161 @@
+"""Who is in a run, and who is still alive: membership and liveness of the workers.
+
+Each worker rank of a run is expected (not seen yet), live (training), left or died; the
+run's progress vector shows it to every worker. A run ends when its policy needs no more
+pushes from the live ones. The `LivenessWatcher` of a ps task probes the servers of the
+current run's workers and tells the run of those that went away, or never came.
+"""
+
+import threading
+import time
+
+import tensorflow as tf
+
+from tfdist.cluster import is_listening
+from tfdist.ps import protocol
+from tfdist.ps import wire
+from tfdist.ps.protocol import DIED
+from tfdist.ps.protocol import EXPECTED
+from tfdist.ps.protocol import LEFT
+from tfdist.ps.protocol import LIVE
+
+_IN_RUN = (EXPECTED, LIVE)
+
+
+class Membership:
+    """The status of each worker rank of one run.
+
+    Args:
+      num_workers: the number of worker ranks.
+      lock: the service's lock, which orders "a worker joins the run" against "the run
+        ends".
+      progress: the run's progress vector, where each rank's status is published; None
+        until it is open.
+      device: the device of `progress`.
+    """
+
+    def __init__(self, num_workers, lock, progress=None, device=None):
+        self.status = [EXPECTED] * num_workers
+        self.lock = lock
+        self.progress = progress
+        self.device = device
+        self.closing = False  # set under the lock: no worker may join any more
+
+    @property
+    def live(self):
+        """The ranks expected or training."""
+        return [r for r, s in enumerate(self.status) if s in _IN_RUN]
+
+    def live_mask(self):
+        return tf.constant([s in _IN_RUN for s in self.status])
+
+    def in_run(self, rank):
+        return self.status[rank] in _IN_RUN
+
+    def admit(self, rank, finished):
+        """Under the lock: lets worker `rank` join; False if the run is ending (`finished`:
+        its updater is done).
+
+        A rank that left or died is expected again (a restarted worker), so the run does not
+        end before its SYNC arrives.
+        """
+        if self.closing or finished:
+            return False
+        if self.status[rank] in (LEFT, DIED):
+            self.status[rank] = EXPECTED
+        return True
+
+    def end_if_nobody_is_left(self, policy):
+        """Closes the run if `policy` needs no push from the live workers; True if closed."""
+        with self.lock:
+            if policy.required(len(self.live)) == 0:
+                self.closing = True
+        return self.closing
+
+    def _set(self, rank, status):
+        with self.lock:
+            self.status[rank] = status
+        with tf.device(self.device):
+            self.progress.scatter_nd_update([[protocol.STAT_MEMBERS + rank]], [status])
+
+    def join(self, rank):
+        """Worker `rank` trains (its SYNC came)."""
+        if self.status[rank] != LIVE:
+            self._set(rank, LIVE)
+
+    def leave(self, rank):
+        """Worker `rank` left; False if it was not in the run."""
+        if not self.in_run(rank):
+            return False
+        self._set(rank, LEFT)
+        return True
+
+    def die(self, rank):
+        """Worker `rank` died: its status before (EXPECTED or LIVE), or None if it was not
+        in the run."""
+        was = self.status[rank]
+        if was not in _IN_RUN:
+            return None
+        self._set(rank, DIED)
+        return was
+
+
+def control_message(text):
+    """A message of the control queue (hello, absent, stop), as the dict the service acts on.
+
+    What a worker says about itself reaches a run only through here and `LivenessWatcher`.
+    """
+    return wire.decode(text)
+
+
+def probe(address):
+    """Whether the server of a worker at `address` answers."""
+    return is_listening(address, timeout=0.5)
+
+
+class LivenessWatcher:
+    """Finds workers whose server went away, or never came, and tells their run.
+
+    A worker that has joined, or whose server was seen, is dead after `misses_to_dead`
+    missed probes in a row; one whose server never answered is dead `init_timeout` after the
+    run started. A slow worker whose server answers is never cut off.
+
+    Args:
+      current_run: a function returning the service's current run (or None): it has
+        `run`, `members` (a `Membership`), `finished`, `created`, `spec` and
+        `send_control(tag, rank)`.
+      interval: seconds between probes.
+      misses_to_dead: failed probes in a row after which a worker is dead.
+    """
+
+    def __init__(self, current_run, interval, misses_to_dead):
+        self.current_run = current_run
+        self.interval = interval
+        self.misses_to_dead = misses_to_dead
+        self.stopped = threading.Event()
+
+    def watch(self):
+        misses, seen, told = {}, set(), set()
+        while not self.stopped.wait(self.interval):
+            run = self.current_run()
+            if run is None or run.finished.is_set():
+                continue
+            for rank, status in enumerate(list(run.members.status)):
+                key = (run.run, rank)
+                if status not in _IN_RUN:
+                    misses.pop(key, None)
+                    told.discard(key)
+                    continue
+                if probe(run.spec.worker_addresses[rank]):
+                    misses[key] = 0
+                    seen.add(key)
+                    continue
+                misses[key] = misses.get(key, 0) + 1
+                late = time.monotonic() - run.created > run.spec.init_timeout
+                if key not in told and (misses[key] >= self.misses_to_dead if (
+                        status == LIVE or key in seen) else late):
+                    told.add(key)
+                    try:
+                        run.send_control(protocol.DEAD, rank)
+                    except tf.errors.OpError:
+                        pass  # the run ended meanwhile

@@ -1,0 +1,211 @@
+"""The spec of a shard, as a worker sends it in its hello and the ps task runs it.
+
+A `ShardSpec` says what one ps task serves for a job: its variables (`VariableEntry`, one
+per master variable or part of one), the optimizer the ps rebuilds, the policy, the
+compression. Both sides build the same objects; on the wire they are the JSON of
+`to_json()`, read back with `from_json()`.
+"""
+
+import dataclasses
+from typing import Optional
+
+# Roles of a shard's variables.
+GRADIENT = "gradient"    # trainable: its gradient is pushed, the optimizer applies the mean
+VALUE = "value"          # non-trainable state (BatchNorm statistics): the mean is assigned
+AVERAGE = "average"      # model averaging: the mean model (or mean change) is assigned
+OPTIMIZER = "optimizer"  # the optimizer's own variables: live on the ps, never pushed
+ROLES = (GRADIENT, VALUE, AVERAGE, OPTIMIZER)
+PUSHED_ROLES = (GRADIENT, VALUE, AVERAGE)
+
+# The fields of an entry that must agree between every worker of a run.
+_COMPARED_FIELDS = ("shape", "dtype", "role", "rows", "sparse", "outer")
+
+
+@dataclasses.dataclass(frozen=True)
+class VariableEntry:
+    """One master variable (or the rows `[begin, end)` of one) of a shard.
+
+    Attributes:
+      path: the Keras variable path every worker gives it.
+      shape: the shape of the master (of the part, for a split variable).
+      dtype: its dtype's name.
+      role: one of `ROLES`.
+      rows: None, or `(begin, end)`: the rows of a variable split over ps tasks.
+      sparse: its gradient is pushed as the rows it touches (an embedding).
+      outer: model averaging's outer optimizer updates it.
+      weight_decay: False if the optimizer's weight decay skips it.
+      constraint: the serialized Keras constraint the ps applies after each update.
+    """
+
+    path: str
+    shape: tuple
+    dtype: str
+    role: str
+    rows: Optional[tuple] = None
+    sparse: bool = False
+    outer: bool = False
+    weight_decay: bool = True
+    constraint: Optional[dict] = None
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ValueError(f"the role of variable {self.path!r} must be one of "
+                             f"{list(ROLES)}. Received: {self.role!r}")
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        if self.rows is not None:
+            object.__setattr__(self, "rows", tuple(int(n) for n in self.rows))
+
+    @property
+    def trainable(self):
+        return self.role == GRADIENT
+
+    @property
+    def name(self):
+        """The last part of its path (a variable's name)."""
+        return self.path.rpartition("/")[2]
+
+    def to_json(self):
+        entry = {"path": self.path, "shape": list(self.shape), "dtype": self.dtype,
+                 "role": self.role, "rows": None if self.rows is None else list(self.rows)}
+        if not self.weight_decay:
+            entry["weight_decay"] = False
+        if self.constraint is not None:
+            entry["constraint"] = self.constraint
+        if self.sparse:
+            entry["sparse"] = True
+        if self.outer:
+            entry["outer"] = True
+        return entry
+
+    @classmethod
+    def from_json(cls, entry):
+        return cls(path=entry["path"], shape=entry["shape"], dtype=entry["dtype"],
+                   role=entry["role"], rows=entry.get("rows"),
+                   sparse=bool(entry.get("sparse")), outer=bool(entry.get("outer")),
+                   weight_decay=entry.get("weight_decay", True) is not False,
+                   constraint=entry.get("constraint"))
+
+    # Until the worker side builds entries: it reads them as the dicts it made.
+    def __getitem__(self, key):
+        return self.to_json()[key]
+
+    def get(self, key, default=None):
+        return self.to_json().get(key, default)
+
+
+def entry_of(entry):
+    """`entry` as a `VariableEntry` (from its JSON dict, as the worker side still makes)."""
+    return entry if isinstance(entry, VariableEntry) else VariableEntry.from_json(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """What one ps task serves for a job: the spec of its shard.
+
+    Attributes:
+      mode: "gradients" or "averaging".
+      policy: the policy's `to_spec()` (`tfdist.ps.policies.policy_from_spec`).
+      num_workers, num_ps: the cluster's sizes.
+      worker_tasks, worker_addresses: each training worker's task name and address.
+      shard: the ps task's index.
+      variables: the shard's `VariableEntry`s, in the order every worker made them.
+      optimizer: the Keras config of the workers' optimizer (None for averaging).
+      outer_optimizer: the config of model averaging's outer optimizer, or None.
+      imports: the modules (or `module:function`s) the ps must import to rebuild them.
+      compression: the serialized compressor, or None.
+      delta: pushes are changes since the last average (compressed averaging).
+      init_timeout: seconds the run waits for the chief to initialise the masters.
+    """
+
+    mode: str
+    policy: dict
+    num_workers: int
+    worker_tasks: tuple
+    worker_addresses: tuple
+    num_ps: int
+    shard: int
+    variables: tuple
+    optimizer: Optional[dict] = None
+    outer_optimizer: Optional[dict] = None
+    imports: tuple = ()
+    compression: Optional[dict] = None
+    delta: bool = False
+    init_timeout: float = 60.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "variables", tuple(entry_of(e) for e in self.variables))
+        for name in ("worker_tasks", "worker_addresses", "imports"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def to_json(self):
+        return {"mode": self.mode, "policy": self.policy, "num_workers": self.num_workers,
+                "worker_tasks": list(self.worker_tasks),
+                "worker_addresses": list(self.worker_addresses), "num_ps": self.num_ps,
+                "shard": self.shard, "variables": [e.to_json() for e in self.variables],
+                "optimizer": self.optimizer, "outer_optimizer": self.outer_optimizer,
+                "imports": list(self.imports), "compression": self.compression,
+                "delta": self.delta, "init_timeout": self.init_timeout}
+
+    @classmethod
+    def from_json(cls, spec):
+        return cls(mode=spec["mode"], policy=spec["policy"], num_workers=spec["num_workers"],
+                   worker_tasks=spec["worker_tasks"],
+                   worker_addresses=spec["worker_addresses"], num_ps=spec["num_ps"],
+                   shard=spec["shard"], variables=spec["variables"],
+                   optimizer=spec.get("optimizer"),
+                   outer_optimizer=spec.get("outer_optimizer"),
+                   imports=spec.get("imports", ()), compression=spec.get("compression"),
+                   delta=spec.get("delta", False), init_timeout=spec["init_timeout"])
+
+    def difference(self, other):
+        """None if a worker's spec `other` fits this run's spec, else what differs (for its
+        error)."""
+        for key in ("mode", "policy", "num_workers", "num_ps", "shard", "optimizer",
+                    "outer_optimizer", "compression"):
+            mine, theirs = getattr(self, key), getattr(other, key)
+            if key in ("optimizer", "outer_optimizer"):
+                if _fixed(mine) != _fixed(theirs):
+                    return (f"its {key.replace('_', ' ')} is {theirs!r}, the run's is "
+                            f"{mine!r}")
+            elif mine != theirs:
+                return f"its {key} is {theirs!r}, the run's is {mine!r}"
+        runs = {e.path: e for e in self.variables}
+        its = {e.path: e for e in other.variables}
+        for path in sorted(set(runs) | set(its)):
+            if path not in runs:
+                return f"it has variable {path!r}, which the run does not"
+            if path not in its:
+                return f"the run has variable {path!r}, which it does not"
+            for field in _COMPARED_FIELDS:
+                mine, theirs = getattr(its[path], field), getattr(runs[path], field)
+                if mine != theirs:
+                    hint = (" (the same `variable_partitioner` everywhere?)"
+                            if field == "rows" else "")
+                    return (f"variable {path!r} has {field} {_shown(mine)}, in the run "
+                            f"{_shown(theirs)}{hint}")
+        if [e.path for e in other.variables] != [e.path for e in self.variables]:
+            return "it created the same variables in another order"
+        return None
+
+
+def _shown(value):
+    return repr(list(value) if isinstance(value, tuple) else value)
+
+
+def _fixed(optimizer):
+    """An optimizer config without what changes while training (a float learning rate a
+    callback sets, the name Keras numbers): a restarted worker's must still fit."""
+    if not isinstance(optimizer, dict):
+        return optimizer
+    config = dict(optimizer.get("config", {}))
+    if isinstance(config.get("learning_rate"), (int, float)):
+        config.pop("learning_rate")
+    config.pop("name", None)
+    if isinstance(config.get("inner_optimizer"), dict):
+        config["inner_optimizer"] = _fixed(config["inner_optimizer"])
+    return {**optimizer, "config": config}
+
+
+def spec_of(spec):
+    """`spec` as a `ShardSpec` (from its JSON dict, as the worker side still makes)."""
+    return spec if isinstance(spec, ShardSpec) else ShardSpec.from_json(spec)

@@ -1,0 +1,492 @@
+"""The update graph of one shard: pushes in, updates applied, replies out, all in-graph.
+
+`ShardUpdateGraph` is built on resources that are already open (the run's push queue, its
+reply queues, its progress vector and master variables), on the device they live on. The
+ps service opens them as shared resources on its ps task; a unit test creates them in its
+own process and drives the same graph (tests/ps/updater_test.py).
+
+One `serve_updates` call takes pushes (`collect`: N of M, dropping pushes the policy
+refuses), applies their mean (`apply`: the user's optimizer once per update, or the model
+average), and replies to the workers whose pushes it used, update after update, until a
+control entry (a worker joins, leaves, dies; the run stops) comes out of the push queue.
+"""
+
+import keras
+import tensorflow as tf
+
+from tfdist import _tf_compat
+from tfdist import compression as compression_lib
+from tfdist.ps import protocol
+from tfdist.ps import wire
+from tfdist.ps.policies import HISTOGRAM_BUCKETS
+from tfdist.ps.policies import delay_compensated
+from tfdist.ps.policies import policy_from_spec
+from tfdist.ps.policies import resolve_function
+from tfdist.ps.spec import GRADIENT
+
+# The parts of an optimizer's config that a worker has already applied to its gradient
+# before pushing it (Keras's `apply` unscales and clips before the all-reduce).
+_APPLIED_BY_WORKERS = {"loss_scale_factor": None, "clipnorm": None, "clipvalue": None,
+                       "global_clipnorm": None, "gradient_accumulation_steps": None}
+
+_NO_CLOCK = 2 ** 62  # above any SSP clock
+
+
+class RunFailed(Exception):
+    """The run cannot go on; the message is what every worker is told."""
+
+
+def ps_optimizer_config(config):
+    """The optimizer config a ps applies: what workers did before the push taken out.
+
+    A `LossScaleOptimizer`'s scaling lives with each worker (it unscales and skips
+    non-finite steps there); the ps applies its inner optimizer.
+    """
+    if config is None:
+        return None
+    config = dict(config)
+    if config.get("class_name") == "LossScaleOptimizer":
+        config = dict(config["config"]["inner_optimizer"])
+    inner = dict(config.get("config", {}))
+    inner.update({k: v for k, v in _APPLIED_BY_WORKERS.items() if k in inner})
+    config["config"] = inner
+    return config
+
+
+def shard_push_dtypes(layout, compressor):
+    """The component dtypes of the push queue of a shard laid out as `layout`."""
+    payload = (wire.compressed_push_dtypes(layout, compressor) if compressor
+               else [tf.float32])
+    return wire.push_dtypes(payload, len(layout.sparse))
+
+
+class _ShardExtended(_tf_compat.OneDeviceExtended):
+    """Where the ps-side optimizer's variables live, and how staleness scales its step."""
+
+    def __init__(self, container_strategy, device, masters):
+        super().__init__(container_strategy, device)
+        self.masters = masters
+        self.learning_rate_factor = None
+
+    def _create_variable(self, next_creator, **kwargs):
+        path = _tf_compat.keras_variable_path(kwargs.get("name") or "Variable")
+        master = self.masters.get(path)
+        if master is not None:
+            return master
+        return super()._create_variable(next_creator, **kwargs)
+
+    def _validate_colocate_with_variable(self, colocate_with_variable):
+        del colocate_with_variable  # masters are made outside the scope, by shared name
+
+    def _update(self, var, fn, args, kwargs, group):
+        if self.learning_rate_factor is not None and len(args) == 2:
+            gradient, learning_rate = args
+            args = (gradient, tf.cast(learning_rate, tf.float32) * self.learning_rate_factor)
+        return super()._update(var, fn, args, kwargs, group)
+
+
+class _ShardStrategy(tf.distribute.Strategy):
+    def __init__(self, device, masters):
+        super().__init__(_ShardExtended(self, device, masters))
+
+
+class ShardUpdateGraph:
+    """The in-graph update loop of one shard, on already-open resources.
+
+    Args:
+      spec: the run's `ShardSpec`.
+      device: the device of the resources (and of the update).
+      push_queue: the run's push queue (components `shard_push_dtypes`).
+      reply_queues: one reply queue per worker rank (`wire.REPLY_DTYPES`).
+      progress: the run's progress vector (`protocol.num_stats` int64s).
+      masters: `{path: variable}`, the shard's master variables, initialised.
+      task: the ps task's name, for errors.
+    """
+
+    def __init__(self, spec, device, push_queue, reply_queues, progress, masters,
+                 task="the ps task"):
+        self.spec = spec
+        self.device = device
+        self.push_queue = push_queue
+        self.reply_queues = reply_queues
+        self.progress = progress
+        self.masters = masters
+        self.task = task
+        self.num_workers = spec.num_workers
+        self.policy = policy_from_spec(spec.policy)
+        self.layout = protocol.ShardLayout(spec.variables)
+        self.compressor = compression_lib.get(spec.compression)
+        self.push_dtypes = shard_push_dtypes(self.layout, self.compressor)
+        self._build()
+
+    # Building --------------------------------------------------------------------------------
+
+    def _build(self):
+        """The shard's Keras variables and optimizers, and the update loop's functions."""
+        self.strategy = _ShardStrategy(self.device, self.masters)
+        entries = self.layout.main + self.layout.values
+        with self.strategy.scope():
+            self.variables = []
+            for e in entries:
+                with _tf_compat.keras_name_scope_for_path(e.path):
+                    self.variables.append(keras.Variable(
+                        "zeros", shape=e.shape, dtype=e.dtype, name=e.name,
+                        trainable=e.role == GRADIENT))
+            for variable, e in zip(self.variables, entries):
+                if e.constraint is not None:
+                    variable.constraint = self._deserialize(
+                        keras.constraints.get, e.constraint, f"the constraint of {e.path}")
+            self.main_variables = self.variables[:len(self.layout.main)]
+            self.value_variables = self.variables[len(self.layout.main):]
+            self.optimizer = self.outer_optimizer = None
+            outer = [v for v, e in zip(self.main_variables, self.layout.main) if e.outer]
+            if (self.spec.optimizer is not None and self.main_variables) or outer:
+                for module in self.spec.imports:
+                    self._import(module)
+            if self.spec.optimizer is not None and self.main_variables:
+                self.optimizer = self._rebuild_optimizer()
+                excluded = [v for v, e in zip(self.main_variables, self.layout.main)
+                            if not e.weight_decay]
+                if excluded:
+                    self.optimizer.exclude_from_weight_decay(var_list=excluded)
+                self.optimizer.build(self.main_variables)
+            if outer:
+                self.outer_optimizer = self._deserialize(
+                    keras.optimizers.deserialize, self.spec.outer_optimizer,
+                    f"the outer optimizer {self.spec.outer_optimizer.get('class_name')!r}")
+                self.outer_optimizer.build(outer)
+                self._check_masters(self.outer_optimizer)
+        with tf.device(self.device):
+            self.clocks = tf.Variable(tf.zeros([self.num_workers], tf.int64))
+            self.waiting = tf.Variable(tf.zeros([self.num_workers], tf.bool))
+            self.weights_read = None
+            if self.policy.delay_compensation is not None:
+                # DC-ASGD: per worker, the weights it was last sent (what it computes on).
+                self.weights_read = tf.Variable(tf.zeros(
+                    [self.num_workers, self.layout.main_size], tf.float32))
+        self.serve_updates = tf.function(self._serve_updates_fn)
+        self.apply_now = tf.function(self._apply_fn)
+        self.release_one = tf.function(self._release_one_fn)
+        self.rejoin = tf.function(self._rejoin_fn)
+        self.forget = tf.function(self._forget_fn)
+        self.release_caught_up = tf.function(self._release_caught_up_fn)
+        self.record_end = tf.function(self._record_end_fn)
+
+    def _check_masters(self, optimizer):
+        """Every variable of an optimizer rebuilt here must be a master (its state on the ps,
+        in the chief's checkpoints), found by the Keras path every worker gave it."""
+        masters = {id(m) for m in self.masters.values()}
+        local = [v.path for v in optimizer.variables if id(v.value) not in masters]
+        if local:
+            raise RunFailed(f"{self.task} found no master variable of {local} in "
+                            f"the run's spec (the workers name the variables of "
+                            f"{optimizer.name!r} otherwise)")
+
+    def _rebuild_optimizer(self):
+        config = ps_optimizer_config(self.spec.optimizer)
+        name = config.get("class_name") if isinstance(config, dict) else config
+        return self._deserialize(keras.optimizers.deserialize, config,
+                                 f"the workers' optimizer {name!r}")
+
+    def _deserialize(self, get, config, what):
+        try:
+            return get(config)
+        except Exception as e:
+            raise RunFailed(
+                f"{self.task} could not rebuild {what} from its Keras config "
+                f"({type(e).__name__}: {e}). A custom class (optimizer, learning rate "
+                "schedule, constraint) must be registered with "
+                "`@keras.saving.register_keras_serializable()` in a module the ps tasks "
+                "import: tfdist imports the optimizer's own module there; name any other with "
+                "`tfdist-launch --job_name=ps --ps_import=MODULE`") from None
+
+    def _import(self, module):
+        try:
+            resolve_function(module) if ":" in module else __import__(module)
+        except Exception as e:
+            raise RunFailed(
+                f"{self.task} could not import {module!r}, which the workers' "
+                f"optimizer or staleness function needs ({type(e).__name__}: {e}). Install "
+                f"it where the ps tasks run, or put it on their PYTHONPATH") from None
+
+    def start_from_optimizer_step(self):
+        """A run resumed from a checkpoint goes on from the restored optimizer step."""
+        if self.optimizer is not None:
+            with tf.device(self.device):
+                self.progress.scatter_nd_update(
+                    [[protocol.STAT_STEP]],
+                    [tf.cast(self.optimizer.iterations.value, tf.int64)])
+
+    # State of an update being collected ------------------------------------------------------
+
+    def empty_state(self):
+        """What `collect` has taken towards the next update: nothing yet."""
+        zero = tf.constant(0, tf.int64)
+        return {"total": tf.zeros([self.layout.main_size]),
+                "values": tf.zeros([self.layout.value_size]),
+                "accepted": tf.constant(0), "dropped": zero,
+                "released": tf.zeros([self.num_workers], tf.bool),
+                "staleness_sum": zero, "staleness_max": zero,
+                "histogram": tf.zeros([HISTOGRAM_BUCKETS], tf.int64),
+                "last_rank": tf.constant(0)}
+
+    def _flat_values(self):
+        return protocol.ShardLayout.flatten([v.value for v in self.variables])
+
+    def _current_values(self):
+        return protocol.ShardLayout.flatten([v.value for v in self.value_variables])
+
+    def _step(self):
+        return self.progress[protocol.STAT_STEP]
+
+    def _decode(self, payload, tag, rank):
+        if self.compressor is None:
+            pairs = list(zip(payload[1::2], payload[2::2]))
+            return self.layout.densify(payload[0], pairs)
+        return wire.decode_push(self.layout, self.compressor, payload,
+                                wire.push_key(tag, rank, self.spec.shard, self.num_workers))
+
+    def _send(self, rank, step, values, message=""):
+        """Enqueues a reply to worker `rank` with `values` at global step `step`; with
+        delay compensation, records them as the weights that worker reads.
+
+        `rank` is a Python int where the caller knows it (one enqueue), else a tensor (one
+        branch per worker)."""
+        stats = self.progress.read_value()
+
+        def put(r):
+            ops = [tf.raw_ops.QueueEnqueueV2(
+                handle=self.reply_queues[r],
+                components=[step, tf.constant(message), stats, values])]
+            if self.weights_read is not None:
+                ops.append(self.weights_read.scatter_nd_update(
+                    [[r]], values[None, :self.layout.main_size]))
+            with tf.control_dependencies(ops):
+                return tf.constant(True)
+
+        if isinstance(rank, int):
+            return put(rank)
+        return tf.switch_case(rank, [lambda r=r: put(r) for r in range(self.num_workers)])
+
+    # Collect ---------------------------------------------------------------------------------
+
+    def _collect(self, required, state):
+        """Takes pushes until `required` usable ones, or a control entry."""
+        step = self._step()
+        main_dtypes = self.push_dtypes[2:-1]
+        # State values are summed as changes from the masters: pushes that all carry the
+        # master's value (frozen weights) leave it exactly as it is, step after step.
+        current = self._current_values()
+
+        def cond(state, event, rank):
+            return tf.logical_and(state["accepted"] < required, tf.equal(event, 0))
+
+        def body(state, event, rank):
+            tag, entry_rank, *rest = tf.raw_ops.QueueDequeueV2(
+                handle=self.push_queue, component_types=self.push_dtypes)
+            payload, values = rest[:len(main_dtypes)], rest[-1]
+            tag, entry_rank = tf.reshape(tag, []), tf.reshape(entry_rank, [])
+            control = tag < 0
+            usable = tf.logical_and(tf.logical_not(control), self.policy.accepts(tag, step))
+            stale = tf.logical_and(tf.logical_not(control), tf.logical_not(usable))
+            staleness = tf.maximum(step - tag, 0)
+            taken = tf.cast(usable, tf.int64)
+            new = dict(state)
+            new["total"], new["values"] = tf.cond(
+                usable,
+                lambda: (state["total"] + self._decode(payload, tag, entry_rank),
+                         state["values"] + tf.reshape(values, [self.layout.value_size])
+                         - current),
+                lambda: (state["total"], state["values"]))
+            new["accepted"] = state["accepted"] + tf.cast(usable, tf.int32)
+            new["dropped"] = state["dropped"] + tf.cast(stale, tf.int64)
+            new["staleness_sum"] = state["staleness_sum"] + taken * staleness
+            new["staleness_max"] = tf.maximum(state["staleness_max"], taken * staleness)
+            new["histogram"] = state["histogram"] + taken * tf.one_hot(
+                tf.minimum(staleness, HISTOGRAM_BUCKETS - 1), HISTOGRAM_BUCKETS, dtype=tf.int64)
+            new["last_rank"] = tf.where(usable, entry_rank, state["last_rank"])
+            new["released"] = tf.logical_or(state["released"], tf.logical_and(
+                usable, tf.one_hot(entry_rank, self.num_workers, on_value=True,
+                                   off_value=False)))
+            # A stale push is dropped and its worker sent the current weights at once.
+            sent = tf.cond(stale, lambda: self._send(entry_rank, step, self._flat_values()),
+                           lambda: tf.constant(True))
+            with tf.control_dependencies([sent]):
+                new["total"] = tf.identity(new["total"])
+            return new, tf.where(control, tf.cast(-tag, tf.int32), 0), entry_rank
+
+        return tf.while_loop(cond, body, [state, tf.constant(0), tf.constant(-1)],
+                             parallel_iterations=1)
+
+    # Apply -----------------------------------------------------------------------------------
+
+    def _apply(self, state):
+        """Applies the mean of the accepted pushes; returns the new global step.
+
+        The non-trainable values take their mean; the main variables are updated by
+        `_apply_average` (model averaging) or `_apply_gradients` (the optimizer, once). Each
+        takes the mean main vector, the collected state and the updates to order after; an
+        update of other entries (rows of a table kept on the ps: gather, apply, scatter) is
+        one more such method over its entries.
+        """
+        count = tf.cast(state["accepted"], tf.float32)
+        updates = []
+        if self.layout.value_size:
+            values = self.layout.unflatten(self._current_values() + state["values"] / count,
+                                           self.layout.values, self.layout.value_sizes)
+            updates += [v.assign(x) for v, x in zip(self.value_variables, values)]
+        apply_main = (self._apply_average if self.policy.averages_weights
+                      else self._apply_gradients)
+        return apply_main(state["total"] / count, state, updates)
+
+    def _apply_average(self, mean, state, updates):
+        """Model averaging: each variable takes the mean model (or adds the mean change); an
+        outer optimizer steps on the round's outer gradient, master - mean."""
+        del state
+        parts = self.layout.unflatten(mean, self.layout.main, self.layout.main_sizes)
+        outer_gradients, outer_variables = [], []
+        for variable, part, entry in zip(self.main_variables, parts, self.layout.main):
+            if entry.outer:
+                # A compressed round's `part` is the mean change: its negation.
+                outer_gradients.append(-part if self.spec.delta else variable.value - part)
+                outer_variables.append(variable)
+            else:
+                updates.append(variable.assign_add(part) if self.spec.delta
+                               else variable.assign(part))
+        if outer_variables:
+            with tf.control_dependencies(updates):
+                self.outer_optimizer.apply(outer_gradients, outer_variables)
+            updates.append(self.outer_optimizer.iterations.value)
+        with tf.control_dependencies(updates):
+            return self._step() + 1
+
+    def _apply_gradients(self, mean, state, updates):
+        """The user's optimizer applied once to the mean gradient (delay-compensated for
+        the worker of the last push, its learning rate scaled by the update's staleness)."""
+        if self.weights_read is not None:
+            mean = delay_compensated(
+                mean, protocol.ShardLayout.flatten([v.value for v in self.main_variables]),
+                self.weights_read[state["last_rank"]], self.policy.delay_compensation)
+        parts = self.layout.unflatten(mean, self.layout.main, self.layout.main_sizes)
+        if self.optimizer is None:  # a shard with no trained variable: state only
+            with tf.control_dependencies(updates):
+                return self._step() + 1
+        extended = self.strategy.extended
+        extended.learning_rate_factor = self.policy.learning_rate_factor(
+            state["staleness_sum"] // tf.maximum(tf.cast(state["accepted"], tf.int64), 1))
+        try:
+            with tf.control_dependencies(updates):
+                self.optimizer.apply(parts, self.main_variables)
+        finally:
+            extended.learning_rate_factor = None
+        return tf.cast(self.optimizer.iterations.value, tf.int64)
+
+    # Record and release ----------------------------------------------------------------------
+
+    def _record_fn(self, step, state, clock_gap=None, updated=True):
+        old = self.progress.read_value()
+        gap = old[protocol.STAT_CLOCK_GAP] if clock_gap is None else tf.maximum(
+            old[protocol.STAT_CLOCK_GAP], clock_gap)
+        return self.progress.assign(tf.concat([
+            tf.stack([step, old[protocol.STAT_UPDATES] + int(updated),
+                      old[protocol.STAT_DROPPED] + state["dropped"],
+                      old[protocol.STAT_AGGREGATED] + tf.cast(state["accepted"], tf.int64),
+                      old[protocol.STAT_STALENESS_SUM] + state["staleness_sum"],
+                      tf.maximum(old[protocol.STAT_STALENESS_MAX], state["staleness_max"]),
+                      gap]),
+            old[protocol.STAT_HISTOGRAM:protocol.STAT_MEMBERS] + state["histogram"],
+            old[protocol.STAT_MEMBERS:]], axis=0), read_value=False)
+
+    def _record_end_fn(self, step, state):
+        """The record of a run's end (pushes dropped since its last update); a `tf.function`
+        returns tensors, not the assign op `_record_fn` gives its in-graph callers."""
+        self._record_fn(step, state, updated=False)
+
+    def _apply_and_release(self, state, live):
+        """One update: apply, record, and reply to the workers whose pushes it used."""
+        step = self._apply(state)
+        if not self.policy.defers_release:
+            with tf.control_dependencies([self._record_fn(step, state)]):
+                values = self._flat_values()
+            for rank in range(self.num_workers):
+                tf.cond(state["released"][rank], lambda rank=rank: self._send(rank, step, values),
+                        lambda: tf.constant(True))
+            return
+        # Stale synchronous parallel: the worker waits until it is at most `max_staleness`
+        # pushes ahead of the slowest live worker.
+        rank = state["last_rank"]
+        ticked = [self.clocks.scatter_nd_add([[rank]], [1]),
+                  self.waiting.scatter_nd_update([[rank]], [True])]
+        with tf.control_dependencies(ticked):
+            self._release_caught_up_fn(live, step, state, updated=True)
+
+    @staticmethod
+    def _slowest_clock(clocks, mask):
+        """The smallest clock of the workers in `mask` (`_NO_CLOCK` if none)."""
+        none = tf.fill(tf.shape(clocks), tf.constant(_NO_CLOCK, tf.int64))
+        return tf.reduce_min(tf.where(mask, clocks, none))
+
+    def _release_caught_up_fn(self, live, step=None, state=None, updated=False):
+        step = self._step() if step is None else step
+        clocks = self.clocks.read_value()
+        slowest = self._slowest_clock(clocks, live)
+        gaps = clocks - slowest
+        release = tf.logical_and(tf.logical_and(self.waiting.read_value(), live),
+                                 gaps <= self.policy.max_staleness)
+        gap = tf.reduce_max(tf.where(release, gaps, tf.zeros_like(gaps)))
+        if state is None:
+            state = self.empty_state()
+        with tf.control_dependencies([self._record_fn(step, state, gap, updated)]):
+            values = self._flat_values()
+            cleared = self.waiting.assign(tf.logical_and(self.waiting.read_value(),
+                                                         tf.logical_not(release)))
+        with tf.control_dependencies([cleared]):
+            for r in range(self.num_workers):
+                tf.cond(release[r], lambda r=r: self._send(r, step, values),
+                        lambda: tf.constant(True))
+
+    # The loop and its control entries --------------------------------------------------------
+
+    def _serve_updates_fn(self, required, live, state):
+        """Update after update, in-graph, until a control entry arrives: returns
+        `(state, event, rank)`, `event` the entry's tag negated."""
+
+        def cond(state, event, rank):
+            return tf.equal(event, 0)
+
+        def body(state, event, rank):
+            state, event, rank = self._collect(required, state)
+            complete = tf.logical_and(tf.equal(event, 0), state["accepted"] >= required)
+
+            def apply():
+                self._apply_and_release(state, live)
+                return self.empty_state()
+
+            state = tf.cond(complete, apply, lambda: state)
+            return state, event, rank
+
+        with tf.device(self.device):
+            return tf.while_loop(cond, body, [state, tf.constant(0), tf.constant(-1)],
+                                 parallel_iterations=1)
+
+    def _apply_fn(self, live, state):
+        with tf.device(self.device):
+            self._apply_and_release(state, live)
+
+    def _release_one_fn(self, rank):
+        with tf.device(self.device):
+            self._send(rank, self._step(), self._flat_values(), message=protocol.SYNC_MESSAGE)
+
+    def _rejoin_fn(self, rank, live):
+        """A worker (re)joins: SSP counts it from the slowest other live worker's clock."""
+        with tf.device(self.device):
+            others = tf.logical_and(live, tf.logical_not(tf.one_hot(
+                rank, self.num_workers, on_value=True, off_value=False)))
+            slowest = self._slowest_clock(self.clocks.read_value(), others)
+            clock = tf.where(slowest == _NO_CLOCK, tf.constant(0, tf.int64), slowest)
+            self.clocks.scatter_nd_update([[rank]], [clock])
+            self._forget_fn(rank)
+
+    def _forget_fn(self, rank):
+        with tf.device(self.device):
+            self.waiting.scatter_nd_update([[rank]], [False])
