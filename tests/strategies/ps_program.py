@@ -276,6 +276,8 @@ def main(argv):
               "placement": strategy.placement() if history.epoch else None,
               "sparse_pushed": [len(layout.sparse) for layout in strategy.extended._layouts]
               if history.epoch else None,
+              "tables_pushed": [len(layout.tables) for layout in strategy.extended._layouts]
+              if history.epoch else None,
               "loss_scale": float(getattr(model.optimizer, "dynamic_scale", 0.0))}
     if strategy.is_chief:
         stats = result["progress"]

@@ -17,6 +17,9 @@ def make_cluster(out_dir, num_workers, *flags, **kwargs):
     """A local cluster running `program` (default `ps_program.py`) on every worker."""
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     program = kwargs.pop("program", PROGRAM)
+    # A ps task's start (TensorFlow's import) takes 5 s on quiet cores and far longer on
+    # loaded ones: a bound against a hang, not a timing.
+    kwargs.setdefault("startup_timeout", 120.0)
     return LocalCluster([sys.executable, program, f"--out_dir={out_dir}", *flags],
                         num_ps=kwargs.pop("num_ps", 1), num_workers=num_workers,
                         timeout=RUN_TIMEOUT, output=None, env=env, **kwargs)

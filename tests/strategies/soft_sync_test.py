@@ -80,19 +80,22 @@ class HardSyncEquivalenceTest(tf.test.TestCase, parameterized.TestCase):
 
 class EmbeddingTest(tf.test.TestCase):
 
-    def test_an_embedding_is_pushed_as_rows_and_split_over_the_ps(self):
-        # Adam, hard sync, 2 workers, 2 ps tasks: the 48-row table is split 24 / 24, and each
-        # push carries only the rows its batch touches (added in place on the ps). The
-        # weights are those of one process on the combined batches, whose table takes a dense
-        # gradient (`ps_program.DenseLookup`: Keras's own Adam treats a sparse gradient's
-        # repeated rows differently).
+    def test_a_table_lives_on_the_ps_split_and_is_updated_densely_on_request(self):
+        # Adam, hard sync, 2 workers, 2 ps tasks: the 48-row table lives on the ps tasks only
+        # (24 / 24 rows), each push carries only the rows its batch touches, and with
+        # `embedding_updates="dense"` the ps applies Adam to every row. The weights are
+        # those of one process on the combined batches, whose table takes a dense gradient
+        # (`ps_program.DenseLookup`: Keras's own Adam treats a sparse gradient's repeated
+        # rows differently).
         out = self.get_temp_dir()
         cluster, result = run_cluster(out, 2, "--scenario=equivalence", "--epochs=3",
-                                      "--optimizer=adam", "--model=embedding", num_ps=2)
+                                      "--optimizer=adam", "--model=embedding",
+                                      "--strategy_arg=embedding_updates=dense", num_ps=2)
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         chief = load_result(out, "worker0.json")
-        self.assertEqual(chief["sparse_pushed"], [1, 1])
-        self.assertNotIn("carries them dense", cluster_log(cluster))
+        self.assertEqual(chief["tables_pushed"], [1, 1])
+        self.assertEqual(chief["sparse_pushed"], [0, 0])
+        self.assertIn("/job:ps/replica:0/task:0/device:CPU:0", chief["devices"])
         split = [task["variables"].get("sequential/embedding/embeddings")
                  for task in chief["placement"]]
         self.assertEqual(sorted(split), [[0, 24], [24, 48]])

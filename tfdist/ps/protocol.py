@@ -25,9 +25,11 @@ from tfdist.ps.spec import AVERAGE
 from tfdist.ps.spec import GRADIENT
 from tfdist.ps.spec import OPTIMIZER  # noqa: F401  (the worker side's name for it)
 from tfdist.ps.spec import PUSHED_ROLES  # noqa: F401
+from tfdist.ps.spec import TABLE  # noqa: F401  (the worker side's name for it)
 from tfdist.ps.spec import VALUE
 from tfdist.ps.spec import entry_of
 from tfdist.ps.spec import spec_of
+from tfdist.ps.tables import part_name
 from tfdist.ps.variables import open_shared_variable
 
 # The message format as the worker side (`tfdist.ps.worker`, `tfdist.ps.push_codec`)
@@ -93,9 +95,12 @@ def open_run_variables(device, run, spec):
     progress = open_shared_variable(device, run_name(run, "progress"),
                                     [num_stats(spec.num_workers)], tf.int64, "progress",
                                     container=CONTAINER)
+    # A table's parts (and its slots') are named by no run: a worker's lookups hold their
+    # handles from before it joins one.
     masters = {
-        e.path: open_shared_variable(device, variable_name(run, e.path), e.shape, e.dtype,
-                                     e.name, container=CONTAINER, trainable=e.trainable)
+        e.path: open_shared_variable(
+            device, part_name(e.path, e.rows) if e.table else variable_name(run, e.path),
+            e.shape, e.dtype, e.name, container=CONTAINER, trainable=e.trainable)
         for e in spec.variables}
     return progress, masters
 
@@ -130,6 +135,9 @@ class ShardLayout:
         entries = [entry_of(e) for e in entries]
         self.main = [e for e in entries if e.role in (GRADIENT, AVERAGE)]
         self.values = [e for e in entries if e.role == VALUE]
+        # Tables on this ps: a push carries the rows of each one's gradient after the
+        # sparse gradients' rows; a reply never carries a table.
+        self.tables = [e for e in entries if e.role == TABLE]
         self.main_sizes = [_size(e.shape) for e in self.main]
         self.value_sizes = [_size(e.shape) for e in self.values]
         self.main_size = int(sum(self.main_sizes))
@@ -140,6 +148,8 @@ class ShardLayout:
         self.sparse = [(int(offset), _size(e.shape[1:]))
                        for offset, e in zip(offsets, self.main) if e.sparse]
         self.dense_sizes = [n for n, e in zip(self.main_sizes, self.main) if not e.sparse]
+        # `(rows, flat row values)` pairs a push carries: sparse gradients', then tables'.
+        self.num_row_pairs = len(self.sparse) + len(self.tables)
 
     def densify(self, dense, sparse):
         """The main vector of a push: `dense` (the other gradients, flat) with each sparse

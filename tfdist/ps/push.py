@@ -24,6 +24,7 @@ from tfdist.compression import sparsify
 from tfdist.ps import placement
 from tfdist.ps import protocol
 from tfdist.ps.outer_optimizer import OuterOptimizer
+from tfdist.ps.tables import TableVariable
 from tfdist.ps.variables import MirrorVariable
 from tfdist.ps.variables import replica_step
 
@@ -38,6 +39,7 @@ class Push(abc.ABC):
 
     mode = None       # the spec's name for it (the ps tasks' updater reads it)
     log_names = ()    # (the step counter's, the dropped pushes') names in the Keras logs
+    keeps_tables = False  # embedding tables may live on the ps tasks only (`ps.tables`)
 
     def __init__(self):
         self.engine = None
@@ -113,6 +115,7 @@ class GradientPush(Push):
 
     mode = "gradients"
     log_names = ("global_step", "dropped_gradients")
+    keeps_tables = True
 
     def check_optimizer(self, optimizer, strategy_name):
         super().check_optimizer(optimizer, strategy_name)
@@ -184,7 +187,8 @@ class GradientPush(Push):
             raise ValueError(f"{engine._connection.task_name} has left the run "
                              "(`strategy.join()`): it cannot train any more")
         self._take_optimizer()
-        unknown = [v.name for v in variables if not isinstance(v, MirrorVariable)]
+        unknown = [v.name for v in variables
+                   if not isinstance(v, (MirrorVariable, TableVariable))]
         if unknown:
             raise ValueError(f"these trained variables were not created under the strategy's "
                              f"scope: {unknown}. Build the model and compile it inside "
@@ -193,7 +197,8 @@ class GradientPush(Push):
         # compressor codes dense vectors.
         sparse = [v for v, g in step.recorded if isinstance(g, tf.IndexedSlices)]
         engine._ensure_run(variables, sparse if engine._codec is None else ())
-        frozen = [v._tfdist_path for v in variables if v._tfdist_role != protocol.GRADIENT]
+        frozen = [v._tfdist_path for v in variables
+                  if v._tfdist_role not in (protocol.GRADIENT, protocol.TABLE)]
         if frozen:
             raise ValueError(
                 f"the train step trains {frozen}, which the run's first step did not train "
@@ -207,9 +212,16 @@ class GradientPush(Push):
             log.warning("tfdist: the gradients of %s are sparse (embedding rows) but are "
                         "pushed dense, the whole variable each step (a compressor codes dense "
                         "vectors; or the run's first trace gave them dense)", dense)
-        # A sparse gradient pushed dense is made dense once, not once per part.
-        gradients = {id(v): g if id(v) in pushed_sparse or not isinstance(g, tf.IndexedSlices)
+        # A sparse gradient pushed dense is made dense once, not once per part; a table's
+        # stays rows.
+        gradients = {id(v): g if (id(v) in pushed_sparse or isinstance(v, TableVariable)
+                                  or not isinstance(g, tf.IndexedSlices))
                      else tf.convert_to_tensor(g) for v, g in step.recorded}
+        for table in engine._tables:
+            if id(table) not in gradients:  # not trained by this step: no rows
+                gradients[id(table)] = tf.IndexedSlices(
+                    tf.zeros([0, *table.shape[1:]], table.dtype), tf.zeros([0], tf.int64),
+                    tf.constant(table.shape.as_list(), tf.int64))
         missing = sorted({p.variable._tfdist_path for s in engine._shards for p in s
                           if p.variable._tfdist_role == protocol.GRADIENT
                           and id(p.variable) not in gradients})
@@ -225,6 +237,15 @@ class GradientPush(Push):
                 fields[id(variable)] = self._update_options(variable)
                 if id(variable) in sparse:
                     fields[id(variable)]["sparse"] = True
+        for table in self.engine._tables:
+            fields[id(table)] = self._update_options(table)
+            if "constraint" in fields[id(table)] and self.engine._table_rule.updates == "lazy":
+                raise ValueError(
+                    f"the embedding table {table._tfdist_path} has a constraint, which the ps "
+                    "tasks apply to a whole variable after each update; its lazy updates "
+                    "touch only the rows a step looked up. Pass `embedding_updates='dense'`, "
+                    "or drop the constraint, or keep the table on the workers "
+                    "(`embedding_tables=None`)")
         return fields
 
     def _update_options(self, variable):

@@ -14,11 +14,13 @@ GRADIENT = "gradient"    # trainable: its gradient is pushed, the optimizer appl
 VALUE = "value"          # non-trainable state (BatchNorm statistics): the mean is assigned
 AVERAGE = "average"      # model averaging: the mean model (or mean change) is assigned
 OPTIMIZER = "optimizer"  # the optimizer's own variables: live on the ps, never pushed
-ROLES = (GRADIENT, VALUE, AVERAGE, OPTIMIZER)
+TABLE = "table"          # an embedding table living on the ps only: its gradient's rows are
+                         # pushed, the rows updated there; never in a reply
+ROLES = (GRADIENT, VALUE, AVERAGE, OPTIMIZER, TABLE)
 PUSHED_ROLES = (GRADIENT, VALUE, AVERAGE)
 
 # The fields of an entry that must agree between every worker of a run.
-_COMPARED_FIELDS = ("shape", "dtype", "role", "rows", "sparse", "outer")
+_COMPARED_FIELDS = ("shape", "dtype", "role", "rows", "sparse", "outer", "table")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +37,8 @@ class VariableEntry:
       outer: model averaging's outer optimizer updates it.
       weight_decay: False if the optimizer's weight decay skips it.
       constraint: the serialized Keras constraint the ps applies after each update.
+      table: its master is a part of an embedding table kept on the ps tasks only (the
+        table, or an optimizer slot of it), opened by `tfdist.ps.tables.part_name`.
     """
 
     path: str
@@ -46,6 +50,7 @@ class VariableEntry:
     outer: bool = False
     weight_decay: bool = True
     constraint: Optional[dict] = None
+    table: bool = False
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -57,7 +62,7 @@ class VariableEntry:
 
     @property
     def trainable(self):
-        return self.role == GRADIENT
+        return self.role in (GRADIENT, TABLE)
 
     @property
     def name(self):
@@ -75,6 +80,8 @@ class VariableEntry:
             entry["sparse"] = True
         if self.outer:
             entry["outer"] = True
+        if self.table:
+            entry["table"] = True
         return entry
 
     @classmethod
@@ -83,7 +90,7 @@ class VariableEntry:
                    role=entry["role"], rows=entry.get("rows"),
                    sparse=bool(entry.get("sparse")), outer=bool(entry.get("outer")),
                    weight_decay=entry.get("weight_decay", True) is not False,
-                   constraint=entry.get("constraint"))
+                   constraint=entry.get("constraint"), table=bool(entry.get("table")))
 
     # Until the worker side builds entries: it reads them as the dicts it made.
     def __getitem__(self, key):
@@ -115,6 +122,8 @@ class ShardSpec:
       compression: the serialized compressor, or None.
       delta: pushes are changes since the last average (compressed averaging).
       init_timeout: seconds the run waits for the chief to initialise the masters.
+      table_updates: how the ps updates the rows of its tables: "lazy" (the rows a push
+        touched, `tfdist.ps.rowwise`) or "dense" (every row, by the optimizer's own apply).
     """
 
     mode: str
@@ -131,6 +140,7 @@ class ShardSpec:
     compression: Optional[dict] = None
     delta: bool = False
     init_timeout: float = 60.0
+    table_updates: str = "lazy"
 
     def __post_init__(self):
         object.__setattr__(self, "variables", tuple(entry_of(e) for e in self.variables))
@@ -144,7 +154,8 @@ class ShardSpec:
                 "shard": self.shard, "variables": [e.to_json() for e in self.variables],
                 "optimizer": self.optimizer, "outer_optimizer": self.outer_optimizer,
                 "imports": list(self.imports), "compression": self.compression,
-                "delta": self.delta, "init_timeout": self.init_timeout}
+                "delta": self.delta, "init_timeout": self.init_timeout,
+                "table_updates": self.table_updates}
 
     @classmethod
     def from_json(cls, spec):
@@ -155,13 +166,14 @@ class ShardSpec:
                    optimizer=spec.get("optimizer"),
                    outer_optimizer=spec.get("outer_optimizer"),
                    imports=spec.get("imports", ()), compression=spec.get("compression"),
-                   delta=spec.get("delta", False), init_timeout=spec["init_timeout"])
+                   delta=spec.get("delta", False), init_timeout=spec["init_timeout"],
+                   table_updates=spec.get("table_updates", "lazy"))
 
     def difference(self, other):
         """None if a worker's spec `other` fits this run's spec, else what differs (for its
         error)."""
         for key in ("mode", "policy", "num_workers", "num_ps", "shard", "optimizer",
-                    "outer_optimizer", "compression"):
+                    "outer_optimizer", "compression", "table_updates"):
             mine, theirs = getattr(self, key), getattr(other, key)
             if key in ("optimizer", "outer_optimizer"):
                 if _fixed(mine) != _fixed(theirs):

@@ -47,6 +47,9 @@ class TableVariable(_tf_compat.BaseResourceVariable):
     """
 
     _tfdist_writable = True
+    # Called before an eager read outside a step: the engine makes sure the parts hold
+    # values (the chief writes the initial ones; another worker waits for them).
+    before_read = None
 
     @classmethod
     def create(cls, path, shape, dtype, parts, initial_value=None, trainable=True, name=None):
@@ -170,6 +173,8 @@ class TableVariable(_tf_compat.BaseResourceVariable):
         """The whole table as a NumPy array, read part by part in bounded chunks."""
         if not tf.executing_eagerly():
             raise ValueError(self._whole_read_error("a traced function"))
+        if self.before_read is not None:
+            self.before_read()
         out = np.empty(self.shape.as_list(), self.dtype.as_numpy_dtype)
         for master, begin, end in self._chunks():
             with tf.device(master.device):
@@ -264,3 +269,55 @@ def check_step_reads(tables):
         if any(read.consumers() for read in reads):
             raise ValueError(table._whole_read_error("the step's code (a custom layer, a "
                                                      "regularizer or a constraint of it?)"))
+
+
+AUTO = "auto"
+UPDATES = ("lazy", "dense")
+
+
+class TableRule:
+    """Which variables a parameter-server strategy keeps on the ps tasks only, and how the ps
+    updates their rows (the strategies' `embedding_tables` and `embedding_updates`).
+
+    Args:
+      embedding_tables: "auto" (the `embeddings` of every `keras.layers.Embedding`), None
+        (none: every worker mirrors every variable), or a list of Keras path patterns
+        (`fnmatch`, e.g. `["*/user_table/embeddings"]`): the trainable float variables of
+        rank 2 or more whose path matches.
+      embedding_updates: "lazy" (only the rows a step touched, with their slots: exact for
+        SGD without momentum and Adagrad, TF1's `LazyAdamOptimizer` rule for Adam, momentum
+        and the like) or "dense" (every row every step, as Keras updates a variable: exact for
+        every optimizer, at the cost of the whole table per update).
+    """
+
+    def __init__(self, embedding_tables=AUTO, embedding_updates="lazy"):
+        if embedding_tables is not None and embedding_tables != AUTO and not (
+                isinstance(embedding_tables, (list, tuple))
+                and all(isinstance(p, str) for p in embedding_tables)):
+            raise ValueError(
+                "`embedding_tables` must be 'auto' (the tables of `keras.layers.Embedding`), "
+                "None (no table: every worker mirrors every variable) or a list of Keras "
+                f"variable path patterns. Received: {embedding_tables!r}")
+        if embedding_updates not in UPDATES:
+            raise ValueError(f"`embedding_updates` must be one of {list(UPDATES)}. "
+                             f"Received: {embedding_updates!r}")
+        self.embedding_tables = embedding_tables
+        self.updates = embedding_updates
+
+    def __bool__(self):
+        return self.embedding_tables is not None
+
+    def matches(self, path, layer, shape, dtype, trainable):
+        """Whether the variable at `path`, made by `layer` (a Keras layer or None), is a
+        table."""
+        import fnmatch
+
+        import keras
+
+        if self.embedding_tables is None or not trainable or len(shape) < 2:
+            return False
+        if not tf.as_dtype(dtype).is_floating:
+            return False
+        if self.embedding_tables == AUTO:
+            return isinstance(layer, keras.layers.Embedding) and path.endswith("/embeddings")
+        return any(fnmatch.fnmatchcase(path, pattern) for pattern in self.embedding_tables)

@@ -22,6 +22,7 @@ from tfdist.ps.policies import HISTOGRAM_BUCKETS
 from tfdist.ps.policies import delay_compensated
 from tfdist.ps.policies import policy_from_spec
 from tfdist.ps.policies import resolve_function
+from tfdist.ps.rowwise import RowwiseUpdate
 from tfdist.ps.spec import GRADIENT
 
 # The parts of an optimizer's config that a worker has already applied to its gradient
@@ -57,7 +58,7 @@ def shard_push_dtypes(layout, compressor):
     """The component dtypes of the push queue of a shard laid out as `layout`."""
     payload = (wire.compressed_push_dtypes(layout, compressor) if compressor
                else [tf.float32])
-    return wire.push_dtypes(payload, len(layout.sparse))
+    return wire.push_dtypes(payload, layout.num_row_pairs)
 
 
 class _ShardExtended(_tf_compat.OneDeviceExtended):
@@ -138,18 +139,30 @@ class ShardUpdateGraph:
                         keras.constraints.get, e.constraint, f"the constraint of {e.path}")
             self.main_variables = self.variables[:len(self.layout.main)]
             self.value_variables = self.variables[len(self.layout.main):]
+            self.table_variables = []
+            for e in self.layout.tables:
+                with _tf_compat.keras_name_scope_for_path(e.path):
+                    self.table_variables.append(keras.Variable(
+                        "zeros", shape=e.shape, dtype=e.dtype, name=e.name, trainable=True))
             self.optimizer = self.outer_optimizer = None
             outer = [v for v, e in zip(self.main_variables, self.layout.main) if e.outer]
-            if (self.spec.optimizer is not None and self.main_variables) or outer:
+            trained = self.main_variables + self.table_variables
+            entries = self.layout.main + self.layout.tables
+            if (self.spec.optimizer is not None and trained) or outer:
                 for module in self.spec.imports:
                     self._import(module)
-            if self.spec.optimizer is not None and self.main_variables:
+            self.rowwise = None
+            if self.spec.optimizer is not None and trained:
                 self.optimizer = self._rebuild_optimizer()
-                excluded = [v for v, e in zip(self.main_variables, self.layout.main)
-                            if not e.weight_decay]
+                excluded = [v for v, e in zip(trained, entries) if not e.weight_decay]
                 if excluded:
                     self.optimizer.exclude_from_weight_decay(var_list=excluded)
-                self.optimizer.build(self.main_variables)
+                self.optimizer.build(trained)
+                if self.table_variables and self.spec.table_updates == "lazy":
+                    try:
+                        self.rowwise = RowwiseUpdate(self.optimizer, self.table_variables)
+                    except ValueError as e:
+                        raise RunFailed(f"{self.task}: {e}") from None
             if outer:
                 self.outer_optimizer = self._deserialize(
                     keras.optimizers.deserialize, self.spec.outer_optimizer,
@@ -164,8 +177,9 @@ class ShardUpdateGraph:
                 # DC-ASGD: per worker, the weights it was last sent (what it computes on).
                 self.weights_read = tf.Variable(tf.zeros(
                     [self.num_workers, self.layout.main_size], tf.float32))
-        self.serve_updates = tf.function(self._serve_updates_fn)
-        self.apply_now = tf.function(self._apply_fn)
+        # A state handed back between calls holds the tables' rows taken so far: any size.
+        self.serve_updates = tf.function(self._serve_updates_fn, reduce_retracing=True)
+        self.apply_now = tf.function(self._apply_fn, reduce_retracing=True)
         self.release_one = tf.function(self._release_one_fn)
         self.rejoin = tf.function(self._rejoin_fn)
         self.forget = tf.function(self._forget_fn)
@@ -228,7 +242,10 @@ class ShardUpdateGraph:
                 "released": tf.zeros([self.num_workers], tf.bool),
                 "staleness_sum": zero, "staleness_max": zero,
                 "histogram": tf.zeros([HISTOGRAM_BUCKETS], tf.int64),
-                "last_rank": tf.constant(0)}
+                "last_rank": tf.constant(0),
+                # Each table's pushed rows and their flat values, every accepted push's.
+                "table_rows": [tf.zeros([0], tf.int64) for _ in self.layout.tables],
+                "table_values": [tf.zeros([0], tf.float32) for _ in self.layout.tables]}
 
     def _flat_values(self):
         return protocol.ShardLayout.flatten([v.value for v in self.variables])
@@ -240,11 +257,16 @@ class ShardUpdateGraph:
         return self.progress[protocol.STAT_STEP]
 
     def _decode(self, payload, tag, rank):
+        """`(main vector, [(rows, flat row values)] of each table)` of a push's payload."""
         if self.compressor is None:
             pairs = list(zip(payload[1::2], payload[2::2]))
-            return self.layout.densify(payload[0], pairs)
-        return wire.decode_push(self.layout, self.compressor, payload,
-                                wire.push_key(tag, rank, self.spec.shard, self.num_workers))
+            sparse = len(self.layout.sparse)
+            return self.layout.densify(payload[0], pairs[:sparse]), pairs[sparse:]
+        coded = len(wire.compressed_push_dtypes(self.layout, self.compressor))
+        tables = list(zip(payload[coded::2], payload[coded + 1::2]))
+        return wire.decode_push(self.layout, self.compressor, payload[:coded],
+                                wire.push_key(tag, rank, self.spec.shard,
+                                              self.num_workers)), tables
 
     def _send(self, rank, step, values, message=""):
         """Enqueues a reply to worker `rank` with `values` at global step `step`; with
@@ -292,12 +314,20 @@ class ShardUpdateGraph:
             staleness = tf.maximum(step - tag, 0)
             taken = tf.cast(usable, tf.int64)
             new = dict(state)
-            new["total"], new["values"] = tf.cond(
-                usable,
-                lambda: (state["total"] + self._decode(payload, tag, entry_rank),
-                         state["values"] + tf.reshape(values, [self.layout.value_size])
-                         - current),
-                lambda: (state["total"], state["values"]))
+
+            def take():
+                main, tables = self._decode(payload, tag, entry_rank)
+                return (state["total"] + main,
+                        state["values"] + tf.reshape(values, [self.layout.value_size])
+                        - current,
+                        [tf.concat([old, rows], 0)
+                         for old, (rows, _) in zip(state["table_rows"], tables)],
+                        [tf.concat([old, flat], 0)
+                         for old, (_, flat) in zip(state["table_values"], tables)])
+
+            (new["total"], new["values"], new["table_rows"], new["table_values"]) = tf.cond(
+                usable, take, lambda: (state["total"], state["values"], state["table_rows"],
+                                       state["table_values"]))
             new["accepted"] = state["accepted"] + tf.cast(usable, tf.int32)
             new["dropped"] = state["dropped"] + tf.cast(stale, tf.int64)
             new["staleness_sum"] = state["staleness_sum"] + taken * staleness
@@ -315,8 +345,7 @@ class ShardUpdateGraph:
                 new["total"] = tf.identity(new["total"])
             return new, tf.where(control, tf.cast(-tag, tf.int32), 0), entry_rank
 
-        return tf.while_loop(cond, body, [state, tf.constant(0), tf.constant(-1)],
-                             parallel_iterations=1)
+        return self._loop(cond, body, state)
 
     # Apply -----------------------------------------------------------------------------------
 
@@ -372,14 +401,38 @@ class ShardUpdateGraph:
             with tf.control_dependencies(updates):
                 return self._step() + 1
         extended = self.strategy.extended
-        extended.learning_rate_factor = self.policy.learning_rate_factor(
+        factor = self.policy.learning_rate_factor(
             state["staleness_sum"] // tf.maximum(tf.cast(state["accepted"], tf.int64), 1))
+        extended.learning_rate_factor = factor
         try:
             with tf.control_dependencies(updates):
-                self.optimizer.apply(parts, self.main_variables)
+                # A table's rows step first: at the step count the apply below then counts.
+                rows, dense = self._apply_table_rows(state, factor)
+            gradients, variables = parts + [g for g, _ in dense], \
+                self.main_variables + [v for _, v in dense]
+            with tf.control_dependencies(updates + rows):
+                if variables:
+                    self.optimizer.apply(gradients, variables)
+                else:  # only tables, updated by rows: the update is counted all the same
+                    self.optimizer.iterations.assign_add(1)
         finally:
             extended.learning_rate_factor = None
         return tf.cast(self.optimizer.iterations.value, tf.int64)
+
+    def _apply_table_rows(self, state, factor):
+        """`(ops, [(dense gradient, table)])`: each table's mean gradient rows applied lazily
+        (`tfdist.ps.rowwise`), or made dense for the optimizer's own apply
+        (`table_updates="dense"`)."""
+        count = tf.cast(state["accepted"], tf.float32)
+        ops, dense = [], []
+        for variable, entry, rows, flat in zip(self.table_variables, self.layout.tables,
+                                               state["table_rows"], state["table_values"]):
+            values = tf.reshape(flat, [-1, *entry.shape[1:]]) / count
+            if self.rowwise is not None:
+                ops.append(self.rowwise.apply(variable, rows, values, factor))
+            else:
+                dense.append((tf.scatter_nd(rows[:, None], values, entry.shape), variable))
+        return ops, dense
 
     # Record and release ----------------------------------------------------------------------
 
@@ -466,8 +519,17 @@ class ShardUpdateGraph:
             return state, event, rank
 
         with tf.device(self.device):
-            return tf.while_loop(cond, body, [state, tf.constant(0), tf.constant(-1)],
-                                 parallel_iterations=1)
+            return self._loop(cond, body, state)
+
+    def _loop(self, cond, body, state):
+        """`tf.while_loop` over `(state, event, rank)`; the tables' rows in `state` grow with
+        every push taken."""
+        loop = [state, tf.constant(0), tf.constant(-1)]
+        invariants = tf.nest.map_structure(lambda t: t.shape, loop)
+        for key in ("table_rows", "table_values"):
+            invariants[0][key] = [tf.TensorShape([None]) for _ in self.layout.tables]
+        return tf.while_loop(cond, body, loop, shape_invariants=invariants,
+                             parallel_iterations=1)
 
     def _apply_fn(self, live, state):
         with tf.device(self.device):

@@ -33,6 +33,9 @@ from tfdist.ps.connection import PSConnection
 from tfdist.ps.push import check_split
 from tfdist.ps.push_codec import PushCodec
 from tfdist.ps.push_codec import push_compressor
+from tfdist.ps.tables import TableRule
+from tfdist.ps.tables import TableVariable
+from tfdist.ps.tables import check_step_reads
 from tfdist.ps.variables import MirrorVariable
 from tfdist.ps.variables import Part
 from tfdist.ps.variables import replica_step
@@ -56,13 +59,15 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
       container_strategy: the public strategy.
       make_policy: `num_workers -> policy`.
       push: what a step pushes (`tfdist.ps.push`: `GradientPush()` or `ModelPush(...)`).
+      tables: a `tfdist.ps.tables.TableRule`: the variables kept on the ps tasks only (None:
+        none).
       cluster, init_timeout, connect_timeout, inter_op_threads, compression,
         variable_partitioner: as documented on `SoftSyncStrategy`.
     """
 
     def __init__(self, container_strategy, make_policy, push, cluster=None, init_timeout=None,
                  connect_timeout=None, inter_op_threads=1, compression=None,
-                 variable_partitioner=placement.AUTO):
+                 variable_partitioner=placement.AUTO, tables=None):
         compressor = push_compressor(compression)
         partitioner = placement.check_partitioner(variable_partitioner)
         # None: what the launcher exported (600 s in Kubernetes pods), else 60 / 30 s.
@@ -98,6 +103,13 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                                      name="tfdist_tags")
             self._stats = tf.Variable(tf.zeros([protocol.num_stats(connection.num_workers)],
                                                tf.int64), trainable=False, name="tfdist_stats")
+        # Embedding tables: on the ps tasks only (`tfdist.ps.tables`); lookups, and their
+        # optimizer slots.
+        self._table_rule = tables if tables is not None else TableRule(None)
+        self._tables = []
+        self._table_slots = []
+        self._tables_ready = False
+        self._table_parts = None
         self._push = push
         push.attach(self)
         atexit.register(self.leave)
@@ -111,6 +123,9 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                 or self._clients is not None):
             # Metric state, and anything made after the run started, stays with the worker.
             return super()._create_variable(next_creator, **kwargs)
+        table = self._maybe_table(kwargs)
+        if table is not None:
+            return table
         with tf.init_scope():
             initial_value = kwargs.get("initial_value")
             if callable(initial_value):
@@ -122,11 +137,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         if role is None:
             return super()._create_variable(next_creator, **kwargs)
         colocate_with = kwargs.pop("colocate_with", None)
-        path = _tf_compat.keras_variable_path((kwargs.get("name") or "Variable").split(":")[0])
-        count = self._paths.get(path, 0)
-        self._paths[path] = count + 1
-        if count:
-            path = f"{path}#{count}"
+        path = self._new_path(kwargs)
         with tf.init_scope(), tf.device(self._device):
             variable = MirrorVariable.create(path, role, **kwargs)
         # Placed when the run starts (`tfdist.ps.placement`), once the optimizer is known.
@@ -140,6 +151,76 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         self._mirrors.append(variable)
         return variable
 
+    def _new_path(self, kwargs):
+        """The Keras path of the variable being made, numbered if another has it already."""
+        path = _tf_compat.keras_variable_path((kwargs.get("name") or "Variable").split(":")[0])
+        count = self._paths.get(path, 0)
+        self._paths[path] = count + 1
+        return f"{path}#{count}" if count else path
+
+    def _maybe_table(self, kwargs):
+        """A `TableVariable` for an embedding table the rule keeps on the ps tasks (or for an
+        optimizer's slot of one), else None. Its initial value is never made here."""
+        keras_variable = _tf_compat.keras_variable_being_initialized()
+        colocate_with = kwargs.get("colocate_with")
+        if keras_variable is None or not self._push.keeps_tables:
+            return None
+        # (A Keras variable made from a value learns its shape after its storage is made:
+        # the optimizer's step counter. A table is made from an initializer.)
+        shape = getattr(keras_variable, "_shape", None)
+        if shape is None:
+            return None
+        shape = [int(n) for n in shape]
+        dtype = tf.as_dtype(kwargs.get("dtype") or keras_variable.dtype)
+        if isinstance(colocate_with, TableVariable):
+            # An optimizer's slot of a table: rows beside the table's, never on a worker.
+            shards = colocate_with._tfdist_shards
+            role = protocol.OPTIMIZER
+        elif self._table_rule.matches(keras_variable.path, _tf_compat.keras_layer_in_scope(),
+                                      shape, dtype, kwargs.get("trainable", True)):
+            parts = min(self._connection.num_ps, shape[0])
+            shards = list(enumerate(placement.row_splits(shape[0], parts)))
+            role = protocol.TABLE
+        else:
+            return None
+        path = self._new_path(kwargs)
+        table = TableVariable.create(
+            path, shape, dtype, [(self._connection.ps_devices[s], rows) for s, rows in shards],
+            initial_value=kwargs.get("initial_value"), trainable=role == protocol.TABLE,
+            name=path.rpartition("/")[2])
+        table._tfdist_role = role
+        table._tfdist_shards = tuple(shards)
+        # Keras's `ops.take` gathers from the Keras variable: through the table's lookup.
+        keras_variable.sparse_read = table.sparse_read
+        if not self._connection.is_chief:
+            table.follow()  # the chief writes the tables (a restore, `load_weights`)
+        table.before_read = self._ready_tables
+        (self._tables if role == protocol.TABLE else self._table_slots).append(table)
+        self._tables_ready = False
+        return table
+
+    def _ready_tables(self):
+        """Before a step looks rows up: the chief writes the tables' initial values on the ps
+        tasks (where nothing is there yet); another worker waits until it has."""
+        if self._tables_ready or not self._tables:
+            return
+        tables = self._tables + self._table_slots
+        with tf.init_scope():
+            if self._connection.is_chief:
+                for table in tables:
+                    table.initialize()
+            else:
+                deadline = time.monotonic() + self._init_timeout
+                while not all(table.is_initialized() for table in tables):
+                    if time.monotonic() > deadline:
+                        raise RunError(
+                            f"the chief {self._connection.training_tasks[0]} did not write the "
+                            f"embedding tables {[t._tfdist_path for t in self._tables]} on the "
+                            f"ps tasks within {self._init_timeout:g} s (`init_timeout`): is "
+                            "it running, with the same model?")
+                    time.sleep(0.05)
+        self._tables_ready = True
+
     def _validate_colocate_with_variable(self, colocate_with_variable):
         del colocate_with_variable
 
@@ -148,6 +229,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
     def _call_for_each_replica(self, fn, args, kwargs):
         step = _Step()
         previous = getattr(self._tls, "step", None)
+        if previous is None:
+            self._ready_tables()
         self._tls.step = step
         try:
             with replica_step():
@@ -156,6 +239,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                     self._push.after_step()
         finally:
             self._tls.step = previous
+        if previous is None and not tf.executing_eagerly():
+            check_step_reads(self._tables)
         if previous is not None:
             # A nested call (a LossScaleOptimizer applies in its own replica call): the
             # outer step's logs tell what it did.
@@ -210,6 +295,16 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         for parts in self._shards:
             order = {protocol.GRADIENT: 0, protocol.AVERAGE: 0, protocol.VALUE: 1}
             parts.sort(key=lambda p: order[p.variable._tfdist_role])
+        # Tables (and their slots) after the mirrors, each part on its own ps task.
+        self._table_parts = [[] for _ in range(num_ps)]
+        for table in self._tables + self._table_slots:
+            entry = {"path": table._tfdist_path, "dtype": table.dtype.name,
+                     "role": table._tfdist_role, "table": True, **fields.get(id(table), {})}
+            for shard, rows in table._tfdist_shards:
+                part = Part(table, rows)
+                entries[shard].append({**entry, "shape": part.shape, "rows": list(rows)})
+                if table._tfdist_role == protocol.TABLE:
+                    self._table_parts[shard].append(part)
         clients = [ShardClient(self._connection, s) for s in range(num_ps)]
         answers = []
         with tf.init_scope():
@@ -219,6 +314,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             if any(a["initialize"] for a in answers):
                 log.info("tfdist: %s initialises the run's master variables",
                          self._connection.task_name)
+                for table in self._tables + self._table_slots:
+                    table.initialize()  # on the ps tasks; a restored table is kept
             mirrors = {v._tfdist_path: v for v in self._mirrors}
             with replica_step():  # the chief's own values, read before any is bound
                 initial = ({path: v.read_value() for path, v in mirrors.items()}
@@ -243,7 +340,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             for client, layout in zip(clients, self._layouts):
                 dtypes = (self._codec.queue_dtypes(layout) if self._codec is not None
                           else [tf.float32])
-                client.open_push_queue(dtypes, len(layout.sparse))
+                client.open_push_queue(dtypes, layout.num_row_pairs)
             self._pull()
 
     def _plan(self, fields):
@@ -264,18 +361,25 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
     def placement(self):
         """Where the masters live, per ps task: `task`, `variables` (`{path: rows}`, rows
         `[begin, end]` of a part or None for the whole variable), `bytes_held` (with the
-        optimizer's slots) and `bytes_pushed` (what one push of a worker carries there; for
-        an embedding pushed as rows, its whole size: the most a push can carry)."""
+        optimizer's slots; a table kept on the ps tasks and its slots count where their rows
+        are) and `bytes_pushed` (what one push of a worker carries there; for an embedding
+        mirrored and pushed as rows, its whole size: the most a push can carry; a table's
+        rows are not counted: a push carries the rows its step touched, 8 bytes of index
+        and the row's values each)."""
         if self._clients is None:
             raise ValueError("the masters are placed when the first training step starts")
         out = [{"task": name, "variables": {}, "bytes_held": 0, "bytes_pushed": 0}
                for name in self._connection.ps_names]
         mirrors = {v._tfdist_path: v for v in self._mirrors}
-        for path, places in self._placement.items():
-            for shard, rows in places:
-                part = Part(mirrors[path], rows)
-                out[shard]["variables"][path] = None if rows is None else list(rows)
-                out[shard]["bytes_held"] += placement.nbytes(part.shape, part.variable.dtype)
+        places = [(mirrors[path], shard, rows) for path, parts in self._placement.items()
+                  for shard, rows in parts]
+        places += [(table, shard, rows) for table in self._tables + self._table_slots
+                   for shard, rows in table._tfdist_shards]
+        for variable, shard, rows in places:
+            part = Part(variable, rows)
+            out[shard]["variables"][variable._tfdist_path] = (None if rows is None
+                                                               else list(rows))
+            out[shard]["bytes_held"] += placement.nbytes(part.shape, variable.dtype)
         for shard, layout in enumerate(self._layouts):
             out[shard]["bytes_pushed"] = 4 * (layout.main_size + layout.value_size)
         return out
@@ -295,7 +399,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                 "num_ps": config.num_ps, "shard": shard, "variables": entries,
                 "imports": imports,
                 "compression": None if self._codec is None else self._codec.spec(),
-                "init_timeout": self._init_timeout}
+                "init_timeout": self._init_timeout,
+                "table_updates": self._table_rule.updates}
 
     def _pull(self):
         """Takes the current master weights of every shard (eagerly)."""
@@ -350,6 +455,10 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                 payload, state_updates = self._codec.compress(layout, shard, main, tag,
                                                               self._push.optimizer)
                 sent.append(payload)
+            # The rows of each table's gradient on this ps task (never compressed).
+            payload = (*payload, *[c for part, entry in zip(self._table_parts[shard],
+                                                            layout.tables)
+                                   for c in protocol.sparse_rows(main_tensor(part), entry)])
             # Shards do not wait for each other: their round trips overlap.
             with tf.control_dependencies(state_updates):
                 replies.append(client.push_and_receive(tag, payload, values))

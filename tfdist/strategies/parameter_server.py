@@ -19,6 +19,7 @@ from tfdist._worker import WorkerTasksMixin
 from tfdist.ps.policies import AsyncPolicy
 from tfdist.ps.policies import SoftSyncPolicy
 from tfdist.ps.push import GradientPush
+from tfdist.ps.tables import TableRule
 from tfdist.ps.worker import ParameterServerExtended
 
 
@@ -138,6 +139,21 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
         (when the optimizer is known). A variable with a
         constraint other than `NonNeg` stays whole. Checkpoints hold whole variables
         either way. `strategy.placement()` tells where every part lives.
+      embedding_tables: the variables that live on the ps tasks only, as TF's own
+        `ParameterServerStrategy` keeps embeddings: "auto" (the default: the table of every
+        `keras.layers.Embedding`), None (every worker mirrors every variable), or a list of
+        Keras path patterns (`fnmatch`). A table's rows are split over the ps tasks; a step
+        looks up only the rows its batch touches there and pushes their gradients, so its
+        cost and the worker's memory follow the rows touched, not the table. Hard sync
+        stays exact (a step's lookups follow every update before it). Read whole in a
+        step (a regularizer, a custom layer multiplying it), a table is an error that
+        names it; `model.save`, checkpoints and `get_weights` read it in chunks.
+      embedding_updates: how the ps tasks update a table's rows: "lazy" (the default: only
+        the rows an update touched, with their optimizer slots; exact for SGD without
+        momentum and Adagrad, TF1's `LazyAdamOptimizer` semantics for Adam, momentum and
+        the like, whose untouched rows' moments do not decay; for SGD, Adam, AdamW, Adamax,
+        Adagrad, Adadelta, RMSprop, Ftrl, Lion) or "dense" (every row at every update, as
+        Keras does in one process: exact for every optimizer, at a table's cost per update).
 
     Raises:
       ValueError: `replicas_to_aggregate` is not between 1 and the number of workers, the
@@ -147,13 +163,15 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
 
     def __init__(self, replicas_to_aggregate=None, cluster=None, init_timeout=None,
                  connect_timeout=None, inter_op_threads=1, compression=None,
-                 variable_partitioner="auto"):
+                 variable_partitioner="auto", embedding_tables="auto",
+                 embedding_updates="lazy"):
+        tables = TableRule(embedding_tables, embedding_updates)
         super().__init__(ParameterServerExtended(
             self, n_of_m_policy(SoftSyncPolicy, replicas_to_aggregate), GradientPush(),
             cluster=cluster,
             init_timeout=init_timeout, connect_timeout=connect_timeout,
             inter_op_threads=inter_op_threads, compression=compression,
-            variable_partitioner=variable_partitioner))
+            variable_partitioner=variable_partitioner, tables=tables))
 
     @property
     def replicas_to_aggregate(self):
@@ -191,17 +209,22 @@ class AsyncStrategy(ParameterServerStrategyBase):
         sent with its last reply (kept per worker on each ps task).
       on_stale: "drop" or "wait", see `max_staleness`.
       cluster, init_timeout, connect_timeout, inter_op_threads, compression,
-        variable_partitioner: as for `SoftSyncStrategy`.
+        variable_partitioner, embedding_tables, embedding_updates: as for
+        `SoftSyncStrategy`. Delay compensation applies to the variables the workers mirror;
+        a table's rows (`embedding_tables`) are updated uncompensated.
     """
 
     def __init__(self, staleness="none", max_staleness=None, delay_compensation=None,
                  on_stale="drop", cluster=None, init_timeout=None, connect_timeout=None,
-                 inter_op_threads=1, compression=None, variable_partitioner="auto"):
+                 inter_op_threads=1, compression=None, variable_partitioner="auto",
+                 embedding_tables="auto", embedding_updates="lazy"):
         policy = AsyncPolicy(staleness, max_staleness, delay_compensation, on_stale)
+        tables = TableRule(embedding_tables, embedding_updates)
         super().__init__(ParameterServerExtended(
             self, lambda total: policy, GradientPush(), cluster=cluster, init_timeout=init_timeout,
             connect_timeout=connect_timeout, inter_op_threads=inter_op_threads,
-            compression=compression, variable_partitioner=variable_partitioner))
+            compression=compression, variable_partitioner=variable_partitioner,
+            tables=tables))
 
     @property
     def policy(self):
