@@ -104,6 +104,40 @@ class EmbeddingTest(tf.test.TestCase):
             self.assertAllClose(np.array(got), want, rtol=1e-5, atol=1e-6)
 
 
+    def test_a_table_trains_lazily_resumes_from_a_backup_and_reloads_in_plain_keras(self):
+        # SGD, hard sync, 2 workers, 2 ps tasks, the table's rows updated lazily (exact for
+        # SGD). The chief dies after epoch 1; a new cluster (new, empty ps tasks) resumes
+        # from the backups: the chief writes its table to the ps before the run starts. The
+        # result is one process's on the combined batches, and the chief's ModelCheckpoint
+        # loads into a plain Keras model.
+        out = self.get_temp_dir()
+        flags = ["--scenario=checkpoint", "--epochs=4", "--optimizer=sgd", "--model=embedding"]
+        with make_cluster(out, 2, *flags, "--crash_after_epoch=1", num_ps=2) as cluster:
+            crashed = cluster.wait()
+        self.assertEqual(crashed.failed_task, "worker:0", cluster_log(cluster))
+        with make_cluster(out, 2, *flags, num_ps=2) as cluster:
+            resumed = cluster.wait()
+        self.assertEqual(resumed.returncode, 0, cluster_log(cluster))
+        chief = load_result(out, "worker0.json")
+        steps_per_epoch = ps_program.ROWS // 2 // ps_program.BATCH
+        self.assertEqual(chief["history"]["global_step"],
+                         [3 * steps_per_epoch, 4 * steps_per_epoch])
+        self.assertEqual(chief["tables_pushed"], [1, 1])
+        self.assertIn("/job:ps/replica:0/task:0/device:CPU:0", chief["devices"])
+        reference = one_process_reference(out, "sgd", 4, model="embedding")
+        for got, want in zip(chief["weights"], reference):
+            self.assertAllClose(np.array(got), want, rtol=1e-5, atol=1e-6)
+        # The other worker reads the same table from the ps tasks.
+        worker = load_result(out, "worker1.json")
+        for got, want in zip(worker["local_weights"], chief["weights"]):
+            self.assertAllClose(got, want, rtol=0, atol=0)
+        self.assertEqual(worker["evaluation"], chief["evaluation"])
+        model = ps_program.build_model("sgd", model="embedding")
+        model.load_weights(os.path.join(out, "model.weights.h5"))
+        for got, want in zip(model.get_weights(), chief["weights"]):
+            self.assertAllClose(got, np.array(want), rtol=0, atol=0)
+
+
 def one_process_reference(out, optimizer, epochs, model="mlp"):
     """One process, same optimizer, on batches made of worker 0's and worker 1's batch j."""
     x, y = ps_program.data(model)
