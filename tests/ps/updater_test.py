@@ -54,10 +54,15 @@ class Shard:
         self.state = self.graph.empty_state()
         self.live = tf.constant([True] * num_workers)
 
-    def push(self, tag, rank, main, values=()):
+    def push(self, tag, rank, main, values=(), rows=()):
+        """A worker's push; `rows`: `(row ids, row values)` of each table's gradient."""
+        pairs = [c for ids, rows_values in rows
+                 for c in (tf.constant(ids, tf.int64),
+                           tf.constant(np.ravel(rows_values), tf.float32))]
         tf.raw_ops.QueueEnqueueV2(handle=self.queue, components=[
             tf.constant(tag, tf.int64), tf.constant(rank, tf.int32),
-            tf.constant(np.ravel(main), tf.float32), tf.constant(np.ravel(values), tf.float32)])
+            tf.constant(np.ravel(main), tf.float32), *pairs,
+            tf.constant(np.ravel(values), tf.float32)])
 
     def serve(self, required=1):
         """Serves the pushes made so far (then returns, at a control entry)."""
@@ -280,6 +285,53 @@ class StateAndAveragingTest(tf.test.TestCase):
             w = w + velocity
             self.assertAllClose(shard.value("k"), w, rtol=1e-6)
         self.assertEqual(int(shard.graph.outer_optimizer.iterations), 2)
+
+
+class TableTest(tf.test.TestCase):
+    """Embedding tables kept on the ps: a push carries the rows of their gradient."""
+
+    def shard(self, policy, num_workers=2, learning_rate=0.5):
+        self.table0 = np.arange(12, dtype=np.float32).reshape(6, 2)
+        self.w0 = np.array([1.0, 2.0], np.float32)
+        return Shard([entry("d/w", [2]),
+                      entry("e/embeddings", [6, 2], role="table", table=True, rows=[0, 6])],
+                     policy, {"d/w": self.w0, "e/embeddings": self.table0},
+                     num_workers=num_workers, optimizer=sgd(learning_rate))
+
+    def test_rows_take_the_mean_of_n_pushes_and_a_table_stays_out_of_replies(self):
+        shard = self.shard(SoftSyncPolicy(2, 2))
+        shard.push(0, 0, [1.0, 1.0], rows=[([1, 3], [[1.0, 1.0], [2.0, 2.0]])])
+        shard.push(0, 1, [3.0, 3.0], rows=[([3, 3], [[1.0, 0.0], [0.0, 1.0]])])  # repeated
+        shard.serve(required=2)
+        want = self.table0.copy()
+        want[1] -= 0.5 * np.array([0.5, 0.5])
+        want[3] -= 0.5 * np.array([1.5, 1.5])
+        self.assertAllClose(shard.value("e/embeddings"), want, rtol=1e-6)
+        self.assertAllClose(shard.value("d/w"), self.w0 - 0.5 * np.array([2.0, 2.0]))
+        for rank in range(2):
+            (token, _, values), = shard.replies(rank)
+            self.assertEqual(token, 1)
+            self.assertAllClose(values, shard.value("d/w"))  # the dense part only
+
+    def test_staleness_scales_a_table_rows_step_and_a_stale_push_adds_no_rows(self):
+        shard = self.shard(AsyncPolicy("inverse"))
+        zero = [0.0, 0.0]
+        shard.push(0, 0, zero, rows=[([], np.zeros([0, 2]))])
+        shard.push(0, 1, zero, rows=[([], np.zeros([0, 2]))])
+        shard.push(0, 0, zero, rows=[([2], [[1.0, 1.0]])])  # staleness 2: lr 0.5 / 2
+        shard.serve(required=1)
+        want = self.table0.copy()
+        want[2] -= 0.25
+        self.assertAllClose(shard.value("e/embeddings"), want, rtol=1e-6)
+        self.assertEqual(shard.progress_dict()["global_step"], 3)
+        # A push refused as too stale leaves the table as it is.
+        bounded = self.shard(AsyncPolicy("none", max_staleness=0), learning_rate=0.1)
+        bounded.push(0, 0, zero, rows=[([0], [[1.0, 1.0]])])
+        bounded.push(0, 1, zero, rows=[([5], [[1.0, 1.0]])])  # stale by 1: dropped
+        bounded.serve(required=1)
+        want = self.table0.copy()
+        want[0] -= 0.1
+        self.assertAllClose(bounded.value("e/embeddings"), want, rtol=1e-6)
 
 
 if __name__ == "__main__":
