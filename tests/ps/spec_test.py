@@ -28,24 +28,25 @@ class SpecTest(tf.test.TestCase):
             {"path": "k", "shape": [2], "dtype": "float32", "role": "average",
              "outer": True, "rows": None},
             {"path": "bn/moving_mean", "shape": [3], "dtype": "float32", "role": "value",
-             "rows": None}]
+             "rows": None},
+            {"path": "u/embeddings", "shape": [5, 2], "dtype": "float32", "role": "table",
+             "rows": [5, 10], "table": True}]
         sent = {"mode": "gradients", "policy": {"name": "soft_sync", "num_workers": 2,
                                                 "replicas_to_aggregate": 1},
                 "num_workers": 2, "worker_tasks": ["a", "b"], "worker_addresses": ["x", "y"],
                 "num_ps": 1, "shard": 0, "variables": entries,
                 "optimizer": {"class_name": "SGD", "config": {"learning_rate": 0.1}},
                 "outer_optimizer": None, "imports": ["my.module"], "compression": None,
-                "delta": False, "init_timeout": 30.0}
+                "delta": False, "init_timeout": 30.0, "table_updates": "lazy"}
         typed = ShardSpec.from_json(sent)
         self.assertEqual(typed.to_json(), sent)
         self.assertEqual(ShardSpec.from_json(typed.to_json()), typed)
-        kernel, table, outer, state = typed.variables
+        kernel, table, outer, state, kept = typed.variables
         self.assertEqual((kernel.rows, kernel.weight_decay, kernel.sparse), ((0, 4), False, False))
         self.assertTrue(table.sparse and outer.outer and state.role == "value")
         self.assertEqual(kernel.shape, (4, 3))
-        # The worker side still reads layout entries as its dicts.
-        self.assertEqual((table["path"], table.get("sparse"), kernel.get("sparse")),
-                         ("e/embeddings", True, None))
+        # A table kept on the ps: its part's rows, trained there.
+        self.assertEqual((kept.rows, kept.table, kept.trainable), ((5, 10), True, True))
 
     def test_an_unknown_role_is_refused_by_name(self):
         with self.assertRaisesRegex(ValueError, r"the role of variable 'v' must be one of "

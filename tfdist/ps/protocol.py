@@ -32,13 +32,6 @@ from tfdist.ps.spec import spec_of
 from tfdist.ps.tables import part_name
 from tfdist.ps.variables import open_shared_variable
 
-# The message format as the worker side (`tfdist.ps.worker`, `tfdist.ps.push_codec`)
-# imports it from here.
-compressed_push_dtypes = wire.compressed_push_dtypes
-encode_push = wire.encode_push
-push_units = wire.push_units
-sparse_rows = wire.sparse_rows
-
 CONTAINER = "tfdist"
 CONTROL_QUEUE = "control"
 

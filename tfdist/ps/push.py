@@ -205,7 +205,7 @@ class GradientPush(Push):
                 "(unfrozen after training began?); the ps tasks keep the variables the run "
                 "started with as state. Set `trainable` before the first `fit`")
         pushed_sparse = {id(p.variable) for layout, parts in zip(engine._layouts, engine._shards)
-                         for p, e in zip(parts, layout.main) if e.get("sparse")}
+                         for p, e in zip(parts, layout.main) if e.sparse}
         dense = [v._tfdist_path for v in sparse if id(v) not in pushed_sparse]
         if dense and not getattr(self, "_warned_sparse", False):
             self._warned_sparse = True

@@ -13,6 +13,7 @@ from tfdist.compression import state as compression_state
 from tfdist.compression.base import sum_payload_bytes
 from tfdist.compression.exchange import compression_logs
 from tfdist.ps import protocol
+from tfdist.ps import wire
 from tfdist.ps.wire import push_key
 
 
@@ -75,22 +76,22 @@ class PushCodec:
         self._states.reset()
 
     def queue_dtypes(self, layout):
-        return protocol.compressed_push_dtypes(layout, self.compressor)
+        return wire.compressed_push_dtypes(layout, self.compressor)
 
     def compress(self, layout, shard, flat, tag, optimizer):
         """Compresses this worker's part for `shard`, variable by variable where the codec's
-        scale is each tensor's own (`protocol.push_units`); returns the payload and the
+        scale is each tensor's own (`wire.push_units`); returns the payload and the
         updates of the codec state (kept in `optimizer`'s `CompressionState`, keyed by the
         parts' paths and rows)."""
         compressor = self.compressor
-        units, _ = protocol.push_units(layout, compressor)
+        units, _ = wire.push_units(layout, compressor)
         state = self._states.state_of(optimizer)
         states = []
         for unit in units:
             size = sum(layout.main_sizes[i] for i in unit)
-            paths = tuple(layout.main[i]["path"] + (
-                "" if layout.main[i].get("rows") is None else
-                "@{}:{}".format(*layout.main[i]["rows"])) for i in unit)
+            paths = tuple(layout.main[i].path + (
+                "" if layout.main[i].rows is None else
+                "@{}:{}".format(*layout.main[i].rows)) for i in unit)
             variables = state.get(
                 ("unit", paths, (size,)),
                 lambda size=size: compressor.initial_state([size], tf.float32),
@@ -98,7 +99,7 @@ class PushCodec:
             states.append({name: components[0] for name, components in variables.items()})
         connection = self._connection
         key = push_key(tag, connection.rank, shard, connection.num_workers)
-        payload, new_states = protocol.encode_push(
+        payload, new_states = wire.encode_push(
             layout, compressor, flat, [{n: v.read_value() for n, v in unit.items()}
                                        for unit in states], key)
         return payload, [unit[n].assign(new[n]) for unit, new in zip(states, new_states)

@@ -92,16 +92,9 @@ class VariableEntry:
                    weight_decay=entry.get("weight_decay", True) is not False,
                    constraint=entry.get("constraint"), table=bool(entry.get("table")))
 
-    # Until the worker side builds entries: it reads them as the dicts it made.
-    def __getitem__(self, key):
-        return self.to_json()[key]
-
-    def get(self, key, default=None):
-        return self.to_json().get(key, default)
-
 
 def entry_of(entry):
-    """`entry` as a `VariableEntry` (from its JSON dict, as the worker side still makes)."""
+    """`entry` as a `VariableEntry` (from its JSON dict, as a hello carries it)."""
     return entry if isinstance(entry, VariableEntry) else VariableEntry.from_json(entry)
 
 
@@ -219,5 +212,5 @@ def _fixed(optimizer):
 
 
 def spec_of(spec):
-    """`spec` as a `ShardSpec` (from its JSON dict, as the worker side still makes)."""
+    """`spec` as a `ShardSpec` (from its JSON dict, as a hello carries it)."""
     return spec if isinstance(spec, ShardSpec) else ShardSpec.from_json(spec)

@@ -27,12 +27,15 @@ from tfdist.cluster.network import INIT_TIMEOUT_ENV
 from tfdist.cluster.network import timeout_from_env
 from tfdist.ps import placement
 from tfdist.ps import protocol
+from tfdist.ps import wire
 from tfdist.ps.client import RunError
 from tfdist.ps.client import ShardClient
 from tfdist.ps.connection import PSConnection
 from tfdist.ps.push import check_split
 from tfdist.ps.push_codec import PushCodec
 from tfdist.ps.push_codec import push_compressor
+from tfdist.ps.spec import ShardSpec
+from tfdist.ps.spec import VariableEntry
 from tfdist.ps.tables import TableRule
 from tfdist.ps.tables import TableVariable
 from tfdist.ps.tables import check_step_reads
@@ -288,8 +291,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                      "dtype": variable.dtype.name, "role": role, **fields.get(id(variable), {})}
             for shard, rows in self._placement[variable._tfdist_path]:
                 part = Part(variable, rows)
-                entries[shard].append({**entry, "shape": part.shape,
-                                       "rows": None if rows is None else list(rows)})
+                entries[shard].append(VariableEntry(**{**entry, "shape": part.shape,
+                                                       "rows": rows}))
                 if role in protocol.PUSHED_ROLES:
                     self._shards[shard].append(part)
         for parts in self._shards:
@@ -302,7 +305,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                      "role": table._tfdist_role, "table": True, **fields.get(id(table), {})}
             for shard, rows in table._tfdist_shards:
                 part = Part(table, rows)
-                entries[shard].append({**entry, "shape": part.shape, "rows": list(rows)})
+                entries[shard].append(VariableEntry(**{**entry, "shape": part.shape,
+                                                       "rows": rows}))
                 if table._tfdist_role == protocol.TABLE:
                     self._table_parts[shard].append(part)
         clients = [ShardClient(self._connection, s) for s in range(num_ps)]
@@ -393,14 +397,14 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         policy = self._policy.to_spec()
         if ":" in str(policy.get("staleness", "")):
             imports.append(policy["staleness"])
-        return {**self._push.spec(), "policy": policy, "num_workers": config.num_workers,
-                "worker_tasks": self._connection.training_tasks,
-                "worker_addresses": self._connection.training_addresses,
-                "num_ps": config.num_ps, "shard": shard, "variables": entries,
-                "imports": imports,
-                "compression": None if self._codec is None else self._codec.spec(),
-                "init_timeout": self._init_timeout,
-                "table_updates": self._table_rule.updates}
+        return ShardSpec(**self._push.spec(), policy=policy, num_workers=config.num_workers,
+                         worker_tasks=self._connection.training_tasks,
+                         worker_addresses=self._connection.training_addresses,
+                         num_ps=config.num_ps, shard=shard, variables=entries,
+                         imports=imports,
+                         compression=None if self._codec is None else self._codec.spec(),
+                         init_timeout=self._init_timeout,
+                         table_updates=self._table_rule.updates)
 
     def _pull(self):
         """Takes the current master weights of every shard (eagerly)."""
@@ -443,9 +447,9 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             parts = self._shards[shard]
             tensors = [main_tensor(p) for p in parts[:len(layout.main)]]
             main = protocol.ShardLayout.flatten(
-                [t for t, e in zip(tensors, layout.main) if not e.get("sparse")])
-            rows = [protocol.sparse_rows(t, e)
-                    for t, e in zip(tensors, layout.main) if e.get("sparse")]
+                [t for t, e in zip(tensors, layout.main) if not e.sparse])
+            rows = [wire.sparse_rows(t, e)
+                    for t, e in zip(tensors, layout.main) if e.sparse]
             values = protocol.ShardLayout.flatten(
                 [p.take(p.variable.read_value()) for p in parts[len(layout.main):]])
             tag = tags[shard]
@@ -458,7 +462,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             # The rows of each table's gradient on this ps task (never compressed).
             payload = (*payload, *[c for part, entry in zip(self._table_parts[shard],
                                                             layout.tables)
-                                   for c in protocol.sparse_rows(main_tensor(part), entry)])
+                                   for c in wire.sparse_rows(main_tensor(part), entry)])
             # Shards do not wait for each other: their round trips overlap.
             with tf.control_dependencies(state_updates):
                 replies.append(client.push_and_receive(tag, payload, values))
