@@ -153,6 +153,21 @@ def keras_builds_from_a_batch():
             and isinstance(caller.f_locals.get("self"), keras.Model))
 
 
+def keras_model_of_step(fn):
+    """The Keras model whose `train_step` / `test_step` `fn` is, or None.
+
+    Keras 3 hands its model's bound step method to `Strategy.run`, which TF wraps for
+    autograph (`functools.wraps`, so `__wrapped__` leads back to it). Keras offers no other
+    way for a strategy to reach the model's metrics.
+    """
+    import inspect
+
+    import keras
+
+    owner = getattr(inspect.unwrap(fn), "__self__", None)
+    return owner if isinstance(owner, keras.Model) else None
+
+
 def inside_while_loop():
     """Whether the function being traced is part of a `tf.while_loop` body or condition
     (Keras 3 runs `steps_per_execution > 1` steps in one)."""

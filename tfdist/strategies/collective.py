@@ -107,7 +107,11 @@ class _CompressedExchangeMixin:
     def _call_for_each_replica(self, fn, args, kwargs):
         outer = self._step_trace is None
         if outer:
-            self._step_trace = {"written": False, "examples": _examples_per_replica(args)}
+            # Keras's own step averages each replica's loss over its own rows; a custom
+            # loop's function may already scale by the global batch: weighted only the first.
+            keras_step = _tf_compat.keras_model_of_step(fn) is not None
+            self._step_trace = {"written": False,
+                                "examples": _examples_per_replica(args) if keras_step else None}
             if self._exchange is not None:
                 # A step whose exchange does not run logs 0 bytes, not the last step's: a
                 # LossScaleOptimizer skips a step with non-finite gradients before it
@@ -124,7 +128,7 @@ class _CompressedExchangeMixin:
         if outer and trace["written"] and isinstance(result, dict):
             stats = {name: variable.read_value()
                      for name, variable in self._stats_variables().items()}
-            result = {**result, **compression_logs(stats)}
+            result = {**_metrics_of_every_replica(fn, result), **compression_logs(stats)}
         return result
 
     def _record_stats(self, stats):
@@ -425,6 +429,22 @@ class MultiWorkerMirroredStrategy(_CompressedStrategyMixin,
                                                                      axis=v_axis)
 
         return tf.nest.map_structure(reduce_one, value)
+
+
+def _metrics_of_every_replica(fn, logs):
+    """A Keras step's `logs` with each of its model's metrics computed over every replica's
+    examples (its variables summed over the replicas, as Keras's `evaluate` reads them).
+
+    Keras takes a `fit` epoch's history from its metrics only when the step's logs have the
+    metrics' keys and no other; the compression statistics add keys, so the history holds
+    the last step's logs, where each replica's own running mean would otherwise be averaged
+    over the replicas (the rows of a smaller part weighing more).
+    """
+    model = _tf_compat.keras_model_of_step(fn)
+    if model is None:
+        return logs
+    metrics = model.get_metrics_result()
+    return {key: metrics.get(key, value) for key, value in logs.items()}
 
 
 def _examples_per_replica(args):
