@@ -822,8 +822,8 @@ class UnevenBatchesTest(UnevenBatchesMixin, tf.test.TestCase, parameterized.Test
 class UnevenBatchesMultiWorkerTest(UnevenBatchesMixin, tf.test.TestCase):
     """2, 3 and 4 worker processes, each run through several scenarios
     (`input:global batch:steps_per_execution`, 100 rows: a last partial batch each time),
-    against one process on the same global batches. Cost: one cluster run each, 25-45 s
-    (the 4-worker run the longest) with the cores quiet."""
+    against one process on the same global batches. Cost: one cluster run each, 116-152 s
+    measured at load 10-12 on 2 cores (not yet timed with the cores quiet)."""
 
     def run_scenarios(self, num_workers, scenarios, *flags):
         out = self.get_temp_dir()
