@@ -819,6 +819,26 @@ class UnevenBatchesTest(UnevenBatchesMixin, tf.test.TestCase, parameterized.Test
             strategy.reduce("SUM", batch[0], axis=None)
 
 
+    def test_collectives_run_inside_keras_steps_per_execution_loop(self):
+        # TF 2.21's own MirroredStrategy over CPUs (collective ops, as MultiWorkerMirrored
+        # between workers) fails in Keras's multi-step loop: the collectives' call-time
+        # instance keys are captures nothing feeds inside the tf.while_loop. tfdist's
+        # strategies key the collectives traced inside a loop when they are traced.
+        # (33 rows: 11 per replica, so that TF's build does not fail first.)
+        if len(tf.config.list_logical_devices("CPU")) < 3:
+            self.skipTest("needs three logical CPUs (set by tests/conftest.py)")
+        x, y = collective_program.data()
+        with tf.distribute.MirroredStrategy(THREE_DEVICES).scope():
+            model = collective_program.build_model(steps_per_execution=2)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError,
+                                    "You must feed a value for placeholder tensor"):
+            model.fit(x[:66], y[:66], batch_size=33, epochs=1, verbose=0)
+        with tfdist.strategies.CompressedMirroredStrategy(THREE_DEVICES).scope():
+            model = collective_program.build_model(steps_per_execution=2)
+        history = model.fit(x[:66], y[:66], batch_size=33, epochs=1, verbose=0).history
+        self.assertTrue(np.isfinite(history["loss"][0]))
+
+
 class UnevenBatchesMultiWorkerTest(UnevenBatchesMixin, tf.test.TestCase):
     """2, 3 and 4 worker processes, each run through several scenarios
     (`input:global batch:steps_per_execution`, 100 rows: a last partial batch each time),
