@@ -35,7 +35,8 @@ flags.DEFINE_float("warmup", 4.0, "Seconds before the measurement window.")
 flags.DEFINE_float("window", 10.0, "Seconds of the measurement window.")
 flags.DEFINE_float("startup_timeout", 120.0, "Seconds the chief waits for its 20th step "
                    "before the warm-up starts anyway.")
-flags.DEFINE_integer("batch_size", 32, "Per-worker batch size.")
+flags.DEFINE_integer("batch_size", 32, "`fit`'s batch size: each worker's own, except under "
+                     "the all-reduce strategies, where it is the global batch.")
 flags.DEFINE_integer("steps_per_execution", 1, "Keras `steps_per_execution`.", lower_bound=1)
 
 

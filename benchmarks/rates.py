@@ -8,12 +8,15 @@ Job: the digits MLP of `ps_worker.py` (64-64-10, 4.8 k parameters, batch 32 per 
 on this machine's local clusters (localhost, no bandwidth limit). Each row runs its own
 cluster and measures, on the chief, global updates per second over `--window` seconds after a
 warm-up; rows are run `--repeats` times, interleaved, and the median is kept. Ratios are
-against tfdist's `MultiWorkerMirroredStrategy` measured in the same run (which runs one step
-per call: TF 2.21's collectives cannot run in Keras's multi-step loop), and the async rows
-also against the peer at the same `steps_per_execution` (its async training: every step an
-update). Bytes per ps task are what one push of a worker carries to each task (the reply
-carries as much back), as the runs placed the model (`strategy.placement()`: variables split
-by rows over the ps tasks with the default `variable_partitioner="auto"`).
+against tfdist's `MultiWorkerMirroredStrategy` measured in the same run (one step per call,
+and `fit`'s `batch_size=32`, which under all-reduce is the global batch: 32 / M rows per
+worker, as in the earlier runs), and the async rows also against the peer at the same
+`steps_per_execution` (its async training: every step an update). The two "all-reduce,
+batch 32 per worker" rows do the ps rows' work per step (a global batch of 32 M), at
+`steps_per_execution` 1 and 10. Bytes per ps task are what one push of a worker carries to
+each task (the reply carries as much back), as the runs placed the model
+(`strategy.placement()`: variables split by rows over the ps tasks with the default
+`variable_partitioner="auto"`).
 """
 
 import json
@@ -46,6 +49,7 @@ REFERENCE = "multi_worker_mirrored"
 
 
 PEER = "tf_keras ParameterServerStrategy, 1 ps"
+ALL_REDUCE = "all-reduce, batch 32 per worker"
 SPE10 = ["--steps_per_execution=10"]
 
 
@@ -53,6 +57,9 @@ def rows(m, peer):
     table = {
         "one process (one_device)": (["--strategy=one_device"], 0, 1),
         REFERENCE: (["--strategy=multi_worker_mirrored"], 0, m),
+        ALL_REDUCE: (["--strategy=multi_worker_mirrored", f"--batch_size={32 * m}"], 0, m),
+        f"{ALL_REDUCE}, steps_per_execution 10": (
+            ["--strategy=multi_worker_mirrored", f"--batch_size={32 * m}", *SPE10], 0, m),
         "hard sync, 1 ps": (["--strategy=soft_sync"], 1, m),
         "hard sync, 2 ps": (["--strategy=soft_sync"], 2, m),
         "async, 1 ps": (["--strategy=async"], 1, m),

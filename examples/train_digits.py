@@ -52,6 +52,8 @@ flags.DEFINE_bool("scale_learning_rate", True,
                   "Multiply the learning rate by the number of gradients each update averages "
                   "(the linear scaling rule), so that an update over N workers' batches moves "
                   "as far as N single-worker steps.")
+flags.DEFINE_integer("steps_per_execution", 1, "Keras `steps_per_execution`: training steps "
+                     "per call.", lower_bound=1)
 flags.DEFINE_enum("optimizer", "sgd", ["sgd", "momentum", "adam"], "Keras optimizer.")
 flags.DEFINE_integer("seed", 0, "Seed of the weights and the train/test split.")
 flags.DEFINE_string("output_json", None, "Where the chief writes accuracy and timings.")
@@ -122,7 +124,8 @@ def main(argv):
     with strategy.scope():
         model = build_model(FLAGS.seed)
         model.compile(optimizer=make_optimizer(FLAGS.optimizer, learning_rate),
-                      loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+                      loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                      steps_per_execution=FLAGS.steps_per_execution)
     # tfdist's parameter-server and gossip strategies give each worker its own share of the
     # data; the all-reduce strategies take a global batch and split it over their replicas.
     if hasattr(strategy, "shard"):

@@ -134,6 +134,80 @@ def keras_gradient_all_reduce(strategy):
     return found
 
 
+def keras_builds_from_a_batch():
+    """Whether Keras 3 is reducing a data batch to build a model from its shapes.
+
+    Keras 3.15's `TensorFlowTrainer._maybe_symbolic_build` hands the first distributed batch
+    of `fit` / `evaluate` to `Strategy.reduce("MEAN", batch, axis=None)` and reads only the
+    shape and dtype of what comes back (keras-team/keras#20585). Reducing it moves a whole
+    batch between the workers and fails when the replicas' batches differ in size (32 rows
+    over 3 replicas are 11, 11 and 10). Keras offers no hook for it; the frame that called
+    the strategy's `reduce` (the caller of this function) tells.
+    """
+    import sys
+
+    import keras
+
+    caller = sys._getframe(2)  # the caller of the strategy's `reduce`
+    return (caller.f_code.co_name == "_maybe_symbolic_build"
+            and isinstance(caller.f_locals.get("self"), keras.Model))
+
+
+def keras_model_of_step(fn):
+    """The Keras model whose `train_step` / `test_step` `fn` is, or None.
+
+    Keras 3 hands its model's bound step method to `Strategy.run`, which TF wraps for
+    autograph (`functools.wraps`, so `__wrapped__` leads back to it). Keras offers no other
+    way for a strategy to reach the model's metrics.
+    """
+    import inspect
+
+    import keras
+
+    owner = getattr(inspect.unwrap(fn), "__self__", None)
+    return owner if isinstance(owner, keras.Model) else None
+
+
+def inside_while_loop():
+    """Whether the function being traced is part of a `tf.while_loop` body or condition
+    (Keras 3 runs `steps_per_execution > 1` steps in one)."""
+    import tensorflow as tf
+    from tensorflow.python.ops import control_flow_v2_func_graphs as graphs
+
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None and getattr(graph, "building_function", False):
+        if isinstance(graph, (graphs.WhileBodyFuncGraph, graphs.WhileCondFuncGraph)):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
+def use_trace_time_instance_keys_in_loops(cross_device_ops):
+    """Makes `cross_device_ops`' collectives traced inside a `tf.while_loop` take their
+    instance keys when they are traced.
+
+    TF 2.21 gives a collective traced in a `tf.function` its instance key at call time, as
+    a "call-time capture" of the enclosing function. A collective in a function called
+    inside a loop body (Keras's step function inside its `steps_per_execution` loop) leaves
+    that capture as a placeholder nothing feeds: "You must feed a value for placeholder
+    tensor ...". A key fixed when the op is traced is what TF's collectives used before
+    call-time keys, and is safe in a loop: the collective executor tells the iterations of
+    one op apart by its frame and iteration. Every worker traces the same steps in the same
+    order (Keras traces on each worker's first call), so their keys agree.
+    """
+    import types
+
+    for launcher in getattr(cross_device_ops, "_launchers", ()):
+        base = launcher._use_unique_instance_key  # pylint: disable=protected-access
+
+        def use_unique_instance_key(self, base=base):
+            del self
+            return base() and not inside_while_loop()
+
+        launcher._use_unique_instance_key = types.MethodType(  # pylint: disable=protected-access
+            use_unique_instance_key, launcher)
+
+
 def keras_variable_paths(optimizer, variables):
     """The Keras paths (`model/layer/kernel`) of the TF `variables` an optimizer updates.
 

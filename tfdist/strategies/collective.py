@@ -5,12 +5,18 @@ collective ops between processes) with one change: when Keras's optimizer all-re
 gradients, a `tfdist.compression` compressor encodes each replica's part, the payloads are
 all-reduced (linear compressors) or all-gathered (the others), and every replica decodes
 and sums them. With `compression=None` nothing of that runs and the numbers are the
-built-in strategy's own.
+built-in strategy's own whenever the replicas' batches are the same size.
+
+Both give Keras 3 `fit` the gradient of a single process on the same global batches when the
+replicas' batches differ in size (a global batch the replicas do not divide, a last partial
+batch): each replica's gradient is weighted by its share of the global batch's examples,
+where TF's strategies average the replicas' means.
 
 `MultiWorkerMirroredStrategy` also makes Keras 3 `fit` / `evaluate` / `predict` work out of
 the box, which TF's does not (keras-team/keras#20585): Keras reduces a whole data batch (a
-tuple of per-replica values) and scalar logs "along axis 0" through `Strategy.reduce`; this
-strategy's `reduce` accepts both. No Keras code is patched.
+tuple of per-replica values) to build the model, and scalar logs "along axis 0", through
+`Strategy.reduce`; this strategy's `reduce` gives the batch's shapes and accepts both; and
+its collectives run inside Keras's `steps_per_execution` loop. No Keras code is patched.
 """
 
 import itertools
@@ -50,10 +56,17 @@ class _CompressedExchangeMixin:
         compressor = compression_lib.get(compression)
         self._exchange = (None if compressor is None
                           else GradientExchange(compressor, self._container_strategy()))
-        self._compression_trace = None  # the outermost step being traced: stats written?
+        self._step_trace = None  # the outermost step being traced: its example counts, stats
         self._stats = None
         self._codec_states = (None if compressor is None else compression_state.StateRegistry(
             self._container_strategy(), compressor, self._replica_offset))
+        # Keras's `steps_per_execution > 1` runs its steps in a tf.while_loop.
+        seen = set()
+        for name in ("_collective_ops", "_cross_device_ops", "_host_cross_device_ops"):
+            cross_device_ops = getattr(self, name, None)
+            if cross_device_ops is not None and id(cross_device_ops) not in seen:
+                seen.add(id(cross_device_ops))
+                _tf_compat.use_trace_time_instance_keys_in_loops(cross_device_ops)
 
     @property
     def compressor(self):
@@ -92,9 +105,13 @@ class _CompressedExchangeMixin:
         return self._stats
 
     def _call_for_each_replica(self, fn, args, kwargs):
-        outer = self._compression_trace is None
+        outer = self._step_trace is None
         if outer:
-            self._compression_trace = {"written": False}
+            # Keras's own step averages each replica's loss over its own rows; a custom
+            # loop's function may already scale by the global batch: weighted only the first.
+            keras_step = _tf_compat.keras_model_of_step(fn) is not None
+            self._step_trace = {"written": False,
+                                "examples": _examples_per_replica(args) if keras_step else None}
             if self._exchange is not None:
                 # A step whose exchange does not run logs 0 bytes, not the last step's: a
                 # LossScaleOptimizer skips a step with non-finite gradients before it
@@ -105,18 +122,18 @@ class _CompressedExchangeMixin:
         try:
             result = super()._call_for_each_replica(fn, args, kwargs)
         finally:
-            trace = self._compression_trace
+            trace = self._step_trace
             if outer:
-                self._compression_trace = None
+                self._step_trace = None
         if outer and trace["written"] and isinstance(result, dict):
             stats = {name: variable.read_value()
                      for name, variable in self._stats_variables().items()}
-            result = {**result, **compression_logs(stats)}
+            result = {**_metrics_of_every_replica(fn, result), **compression_logs(stats)}
         return result
 
     def _record_stats(self, stats):
         """Adds one exchange's statistics to the step's (two optimizers in a step add)."""
-        trace = self._compression_trace
+        trace = self._step_trace
         first = trace is None or not trace["written"]
         if trace is not None:
             trace["written"] = True
@@ -140,10 +157,10 @@ class _CompressedExchangeMixin:
     def _gradient_variables(self, values):
         """`(optimizer, variables)` of a Keras optimizer's gradient all-reduce of `values`,
         or None if this batch is something else (synchronized BatchNorm statistics, a
-        metric, a user's own all-reduce), which is summed exactly."""
+        metric, a user's own all-reduce), which is summed as it is."""
         found = _tf_compat.keras_gradient_all_reduce(self._container_strategy())
         if found == "outside":
-            if not getattr(self, "_warned_outside", False):
+            if self._exchange is not None and not getattr(self, "_warned_outside", False):
                 self._warned_outside = True
                 log.warning(
                     "tfdist: the Keras optimizer was created outside `strategy.scope()`: its "
@@ -155,7 +172,6 @@ class _CompressedExchangeMixin:
         optimizer, variables = found
         if len(variables) != len(values):
             return None
-        self._check_momentum(optimizer)
         for variable, value in zip(variables, values):
             component = _components(value)[0]
             if (not isinstance(component, tf.IndexedSlices)
@@ -172,19 +188,61 @@ class _CompressedExchangeMixin:
         if warning:
             log.warning("tfdist: %s", warning)
 
+    def _example_weights(self, options):
+        """Each local replica's gradient weight, N * n_r / n: Keras averages the loss over
+        each replica's own n_r examples and divides it by the N replicas, which is the mean
+        over the global batch's n examples only when every replica has n / N of them. A
+        global batch that the replicas do not divide (32 over 3: 11, 11, 10), or a last
+        partial batch (some replicas get none), would weight some examples more than others;
+        weighted, the summed gradient is the single-process gradient of the same global
+        batch (as `tf.nn.compute_average_loss` does with no `global_batch_size`). None when
+        every replica has as many examples: then every weight is 1 and nothing is added.
+        """
+        trace = self._step_trace
+        examples = None if trace is None else trace["examples"]
+        if examples is None:
+            return None
+        multi_worker = self._in_multi_worker_mode()
+        static = [tf.get_static_value(n) for n in examples]
+        if (None not in static and len(set(static)) == 1
+                and not (multi_worker and tf.executing_eagerly())):
+            # Equal sizes known when traced: every worker runs the same input pipeline, and
+            # a global batch rebatched over the replicas has a known size only if it
+            # divides. (An eager step sees every size; the other workers' may differ.)
+            return None
+        counts = []
+        for device, n in zip(self.worker_devices, examples):
+            with tf.device(device):  # where the all-reduce runs: one batch with the others
+                counts.append(tf.cast(n, tf.float32))
+        if multi_worker:
+            total = super()._batch_reduce_to(
+                tf.distribute.ReduceOp.SUM,
+                [(_tf_compat.regroup(tuple(counts)),) * 2], options)[0]
+            total = _components(total)[0]
+        else:
+            total = tf.add_n(counts)
+        scale = float(self._container_strategy().num_replicas_in_sync)
+        return [tf.math.divide_no_nan(scale * n, total) for n in counts]
+
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
-        strategy = self._container_strategy()
         values = [value for value, _ in value_destination_pairs]
         local_replicas = len(self.worker_devices)
         found = None
-        if (self._exchange is not None
-                and reduce_op in (tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN)
+        if (reduce_op in (tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN)
                 and all(not isinstance(v, _tf_compat.Mirrored)
                         and len(_components(v)) == local_replicas for v in values)):
             found = self._gradient_variables(values)
         if found is None:
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+        weights = self._example_weights(options)
+        if weights is not None:
+            value_destination_pairs = [(_weighted(value, weights), destination)
+                                       for value, destination in value_destination_pairs]
+        if self._exchange is None:
+            return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
+        strategy = self._container_strategy()
         optimizer, variables = found
+        self._check_momentum(optimizer)
         if (self._exchange.compressor.variable_size
                 and _tf_compat.in_xla_context()):
             raise ValueError(
@@ -198,7 +256,7 @@ class _CompressedExchangeMixin:
             _tf_compat.keras_variable_paths(optimizer, variables))
         # Sparse gradients (IndexedSlices, e.g. of an embedding) are all-gathered by TF as
         # they are; the dense ones of the same batch are compressed.
-        local = [list(strategy.experimental_local_results(v)) for v in values]
+        local = [list(strategy.experimental_local_results(v)) for v, _ in value_destination_pairs]
         sparse = [any(isinstance(c, tf.IndexedSlices) for c in row) for row in local]
         if all(sparse):
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
@@ -242,6 +300,23 @@ class _CompressedStrategyMixin:
         given weights that the residuals do not belong to.
         """
         self.extended.reset_compression_state()
+
+    def reduce(self, reduce_op, value, axis):
+        """`Strategy.reduce`; a data batch that Keras 3 reduces to build a model from it
+        gives its shapes instead, and crosses no device or network.
+
+        Keras 3 reduces the first batch of `fit` / `evaluate` with
+        `reduce("MEAN", batch, axis=None)` and reads only the shape and dtype of the result
+        (keras-team/keras#20585). Reduced, the batch would travel between every worker, and
+        the replicas' parts of a global batch they do not divide (32 rows over 3 replicas:
+        11, 11 and 10) cannot be summed: TF fails with "Shape mismatch in the collective".
+        """
+        if _tf_compat.keras_builds_from_a_batch():
+            return tf.nest.map_structure(_replica_batch_spec, value)
+        return self._reduce_value(reduce_op, value, axis)
+
+    def _reduce_value(self, reduce_op, value, axis):
+        return super().reduce(reduce_op, value, axis)
 
 
 class CompressedMirroredExtended(_CompressedExchangeMixin, _tf_compat.MirroredExtended):
@@ -293,16 +368,6 @@ class MultiWorkerMirroredExtended(_CompressedExchangeMixin,
                          communication_options=communication_options)
         self._init_compression(compression)
 
-    def _call_for_each_replica(self, fn, args, kwargs):
-        if self._in_multi_worker_mode() and _traced_inside_a_loop():
-            raise ValueError(
-                "tfdist MultiWorkerMirroredStrategy: Keras `steps_per_execution` must be 1 "
-                "with several workers. Keras runs its steps inside a tf.while_loop then, "
-                "where TF 2.21's collective ops cannot get their per-call instance keys "
-                "(the run would fail with 'You must feed a value for placeholder tensor'). "
-                "Received: a step traced inside a loop; compile with steps_per_execution=1")
-        return super()._call_for_each_replica(fn, args, kwargs)
-
 
 def _check_tf_config():
     """A clear error for a TF_CONFIG this strategy cannot use (rather than a hang in TF)."""
@@ -350,31 +415,74 @@ class MultiWorkerMirroredStrategy(_CompressedStrategyMixin,
         tf.distribute.Strategy.__init__(self, extended)
 
 
-    def reduce(self, reduce_op, value, axis):
+    def _reduce_value(self, reduce_op, value, axis):
         """`Strategy.reduce`, for nested values too, and for scalars with `axis=0`.
 
-        Keras 3 reduces a whole data batch (a tuple) when it builds the model, and its scalar
-        logs with `axis=0`; reducing a scalar along an axis it does not have means reducing
-        it over the replicas (keras-team/keras#20585).
+        Keras 3 reduces its scalar logs with `axis=0`; reducing a scalar along an axis it
+        does not have means reducing it over the replicas (keras-team/keras#20585).
         """
         def reduce_one(v):
             v_axis = axis
             if v_axis is not None and _rank(v) == 0:
                 v_axis = None
-            return super(MultiWorkerMirroredStrategy, self).reduce(reduce_op, v, axis=v_axis)
+            return tf.distribute.MultiWorkerMirroredStrategy.reduce(self, reduce_op, v,
+                                                                     axis=v_axis)
 
         return tf.nest.map_structure(reduce_one, value)
 
 
-def _traced_inside_a_loop():
-    """Whether the function being traced is called from a control-flow branch or loop body."""
-    graph = tf.compat.v1.get_default_graph()
-    while graph is not None and getattr(graph, "building_function", False):
-        outer = getattr(graph, "outer_graph", None)
-        if getattr(outer, "is_control_flow_graph", False):
-            return True
-        graph = outer
-    return False
+def _metrics_of_every_replica(fn, logs):
+    """A Keras step's `logs` with each of its model's metrics computed over every replica's
+    examples (its variables summed over the replicas, as Keras's `evaluate` reads them).
+
+    Keras takes a `fit` epoch's history from its metrics only when the step's logs have the
+    metrics' keys and no other; the compression statistics add keys, so the history holds
+    the last step's logs, where each replica's own running mean would otherwise be averaged
+    over the replicas (the rows of a smaller part weighing more).
+    """
+    model = _tf_compat.keras_model_of_step(fn)
+    if model is None:
+        return logs
+    metrics = model.get_metrics_result()
+    return {key: metrics.get(key, value) for key, value in logs.items()}
+
+
+def _examples_per_replica(args):
+    """The number of examples in each local replica's part of a step's data (the leading
+    dimension of its first input, as Keras counts them: an int where the shape says it, a
+    tensor otherwise), or None if `args` holds no per-replica dense data."""
+    for leaf in tf.nest.flatten(args):
+        if leaf is None:
+            continue
+        if not isinstance(leaf, tf.distribute.DistributedValues):
+            return None
+        parts = leaf.values
+        if not all(isinstance(p, tf.Tensor) and p.shape.rank for p in parts):
+            return None
+        return [p.shape[0] if p.shape[0] is not None else tf.shape(p)[0] for p in parts]
+    return None
+
+
+def _weighted(value, weights):
+    """`value`'s per-replica components, each multiplied by its replica's weight."""
+    parts = []
+    for part, weight in zip(_components(value), weights):
+        with tf.device(part.device):
+            if isinstance(part, tf.IndexedSlices):
+                part = tf.IndexedSlices(part.values * tf.cast(weight, part.values.dtype),
+                                        part.indices, part.dense_shape)
+            else:
+                part = part * tf.cast(weight, part.dtype)
+        parts.append(part)
+    return _tf_compat.regroup(tuple(parts))
+
+
+def _replica_batch_spec(value):
+    """The type of one replica's part of `value`, with its batch size left open."""
+    spec = tf.type_spec_from_value(_components(value)[0])
+    if isinstance(spec, tf.TensorSpec) and spec.shape.rank:
+        spec = tf.TensorSpec([None, *spec.shape[1:]], spec.dtype)
+    return spec
 
 
 def _rank(value):
