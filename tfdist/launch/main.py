@@ -126,8 +126,10 @@ flags.DEFINE_float("connect_timeout", None,
                    "answer), and its command's strategies get it as their default "
                    "connect_timeout and init_timeout (TFDIST_CONNECT_TIMEOUT, "
                    "TFDIST_INIT_TIMEOUT); a ps with --exit_after_workers_gone gives its "
-                   "workers this long to appear. Default: 600 with --kubernetes and in "
-                   "manifests (image pulls), else unset (the strategies' 30 and 60 s).")
+                   "workers this long to appear; with --local, the ps tasks get this long to "
+                   "start listening. Default: 600 with --kubernetes and in "
+                   "manifests (image pulls), else unset (the strategies' 30 and 60 s, and "
+                   "30 s for a local cluster's ps tasks).")
 flags.DEFINE_float("exit_after_workers_gone", None,
                    "ps tasks: exit once every worker has listened and then none has for this "
                    "many seconds, so that a Kubernetes job ends by itself. Default: 660 with "
@@ -226,7 +228,9 @@ def _run_local(command):
                                stop_on_failure=FLAGS.stop_on_failure,
                                isolate_network="auto" if FLAGS.isolate_network else False,
                                ps_imports=FLAGS.ps_import, bandwidth=FLAGS.bandwidth,
-                               outbound_network="auto" if FLAGS.outbound_network else False)
+                               outbound_network="auto" if FLAGS.outbound_network else False,
+                               **({} if FLAGS.connect_timeout is None
+                                  else {"startup_timeout": FLAGS.connect_timeout}))
     except ValueError as e:
         raise app.UsageError(str(e).replace("`bandwidth`", "--bandwidth").replace(
             "`isolate_network` 'auto' or True. Received: isolate_network=False",

@@ -206,7 +206,8 @@ class GradientPush(Push):
                 "started with as state. Set `trainable` before the first `fit`")
         pushed_sparse = {id(p.variable) for layout, parts in zip(engine._layouts, engine._shards)
                          for p, e in zip(parts, layout.main) if e.sparse}
-        dense = [v._tfdist_path for v in sparse if id(v) not in pushed_sparse]
+        dense = [v._tfdist_path for v in sparse
+                 if id(v) not in pushed_sparse and not isinstance(v, TableVariable)]
         if dense and not getattr(self, "_warned_sparse", False):
             self._warned_sparse = True
             log.warning("tfdist: the gradients of %s are sparse (embedding rows) but are "
