@@ -17,6 +17,9 @@ def make_cluster(out_dir, num_workers, *flags, **kwargs):
     """A local cluster running `program` (default `ps_program.py`) on every worker."""
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     program = kwargs.pop("program", PROGRAM)
+    # A bound against a hang: a ps task's start (TensorFlow's import and runtime) took more
+    # than LocalCluster's default 30 s with the 2 cores at load 12.
+    kwargs.setdefault("startup_timeout", 120.0)
     return LocalCluster([sys.executable, program, f"--out_dir={out_dir}", *flags],
                         num_ps=kwargs.pop("num_ps", 1), num_workers=num_workers,
                         timeout=RUN_TIMEOUT, output=None, env=env, **kwargs)
