@@ -2,6 +2,7 @@
 stand for the ps tasks; the shared-name mechanism is the one a ps task serves)."""
 
 import itertools
+import os
 from unittest import mock
 
 import keras
@@ -142,6 +143,18 @@ class TableVariableTest(tf.test.TestCase):
             self.assertAllEqual(table.read_value(), -value)
         for master, (begin, end) in table.parts:
             self.assertAllEqual(master.read_value(), -value[begin:end])
+
+    def test_a_tf_train_checkpoint_saves_and_restores_every_part(self):
+        table, value = _table()
+        path = tf.train.Checkpoint(table=table).write(
+            os.path.join(self.get_temp_dir(), "ckpt"))
+        table.assign(np.zeros_like(value))
+        tf.train.Checkpoint(table=table).read(path).assert_consumed()
+        self.assertAllEqual(table.numpy(), value)
+        # A plain variable restores from it too (a table's checkpoint is a variable's).
+        plain = tf.Variable(tf.zeros([ROWS, WIDTH]))
+        tf.train.Checkpoint(table=plain).read(path).assert_consumed()
+        self.assertAllEqual(plain.numpy(), value)
 
     def test_a_follower_ignores_writes_and_in_step_writes_are_refused(self):
         table, value = _table()

@@ -251,6 +251,13 @@ class TableVariable(_tf_compat.BaseResourceVariable):
         self._write(value)
         return self if read_value else None
 
+    def _restore_from_tensors(self, restored_tensors):
+        # (The base class assigns the whole value to the handle, which is the first part's.)
+        restored = next(iter(restored_tensors.values()))
+        with tf.init_scope():
+            self._write(restored.numpy() if hasattr(restored, "numpy") else restored)
+        return tf.no_op()
+
     def _refuse(self, *args, **kwargs):
         del args, kwargs
         raise ValueError(
