@@ -218,7 +218,7 @@ class GradientPush(Push):
         gradients = {id(v): g if (id(v) in pushed_sparse or isinstance(v, TableVariable)
                                   or not isinstance(g, tf.IndexedSlices))
                      else tf.convert_to_tensor(g) for v, g in step.recorded}
-        for table in engine._tables:
+        for table in engine._tables.tables:
             if id(table) not in gradients:  # not trained by this step: no rows
                 gradients[id(table)] = tf.IndexedSlices(
                     tf.zeros([0, *table.shape[1:]], table.dtype), tf.zeros([0], tf.int64),
@@ -238,9 +238,9 @@ class GradientPush(Push):
                 fields[id(variable)] = self._update_options(variable)
                 if id(variable) in sparse:
                     fields[id(variable)]["sparse"] = True
-        for table in self.engine._tables:
+        for table in self.engine._tables.tables:
             fields[id(table)] = self._update_options(table)
-            if "constraint" in fields[id(table)] and self.engine._table_rule.updates == "lazy":
+            if "constraint" in fields[id(table)] and self.engine._tables.updates == "lazy":
                 raise ValueError(
                     f"the embedding table {table._tfdist_path} has a constraint, which the ps "
                     "tasks apply to a whole variable after each update; its lazy updates "

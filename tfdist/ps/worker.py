@@ -36,9 +36,8 @@ from tfdist.ps.push_codec import PushCodec
 from tfdist.ps.push_codec import push_compressor
 from tfdist.ps.spec import ShardSpec
 from tfdist.ps.spec import VariableEntry
-from tfdist.ps.tables import TableRule
-from tfdist.ps.tables import TableVariable
-from tfdist.ps.tables import check_step_reads
+from tfdist.ps.table_set import TableRule
+from tfdist.ps.table_set import TableSet
 from tfdist.ps.variables import MirrorVariable
 from tfdist.ps.variables import Part
 from tfdist.ps.variables import replica_step
@@ -108,11 +107,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                                                tf.int64), trainable=False, name="tfdist_stats")
         # Embedding tables: on the ps tasks only (`tfdist.ps.tables`); lookups, and their
         # optimizer slots.
-        self._table_rule = tables if tables is not None else TableRule(None)
-        self._tables = []
-        self._table_slots = []
-        self._tables_ready = False
-        self._table_parts = None
+        self._tables = TableSet(tables if tables is not None else TableRule(None),
+                                connection, init_timeout)
         self._push = push
         push.attach(self)
         atexit.register(self.leave)
@@ -126,7 +122,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                 or self._clients is not None):
             # Metric state, and anything made after the run started, stays with the worker.
             return super()._create_variable(next_creator, **kwargs)
-        table = self._maybe_table(kwargs)
+        table = (self._tables.make(kwargs, lambda: self._new_path(kwargs))
+                 if self._push.keeps_tables else None)
         if table is not None:
             return table
         with tf.init_scope():
@@ -161,69 +158,6 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         self._paths[path] = count + 1
         return f"{path}#{count}" if count else path
 
-    def _maybe_table(self, kwargs):
-        """A `TableVariable` for an embedding table the rule keeps on the ps tasks (or for an
-        optimizer's slot of one), else None. Its initial value is never made here."""
-        keras_variable = _tf_compat.keras_variable_being_initialized()
-        colocate_with = kwargs.get("colocate_with")
-        if keras_variable is None or not self._push.keeps_tables:
-            return None
-        # (A Keras variable made from a value learns its shape after its storage is made:
-        # the optimizer's step counter. A table is made from an initializer.)
-        shape = getattr(keras_variable, "_shape", None)
-        if shape is None:
-            return None
-        shape = [int(n) for n in shape]
-        dtype = tf.as_dtype(kwargs.get("dtype") or keras_variable.dtype)
-        if isinstance(colocate_with, TableVariable):
-            # An optimizer's slot of a table: rows beside the table's, never on a worker.
-            shards = colocate_with._tfdist_shards
-            role = protocol.OPTIMIZER
-        elif self._table_rule.matches(keras_variable.path, _tf_compat.keras_layer_in_scope(),
-                                      shape, dtype, kwargs.get("trainable", True)):
-            parts = min(self._connection.num_ps, shape[0])
-            shards = list(enumerate(placement.row_splits(shape[0], parts)))
-            role = protocol.TABLE
-        else:
-            return None
-        path = self._new_path(kwargs)
-        table = TableVariable.create(
-            path, shape, dtype, [(self._connection.ps_devices[s], rows) for s, rows in shards],
-            initial_value=kwargs.get("initial_value"), trainable=role == protocol.TABLE,
-            name=path.rpartition("/")[2])
-        table._tfdist_role = role
-        table._tfdist_shards = tuple(shards)
-        # Keras's `ops.take` gathers from the Keras variable: through the table's lookup.
-        keras_variable.sparse_read = table.sparse_read
-        if not self._connection.is_chief:
-            table.follow()  # the chief writes the tables (a restore, `load_weights`)
-        table.before_read = self._ready_tables
-        (self._tables if role == protocol.TABLE else self._table_slots).append(table)
-        self._tables_ready = False
-        return table
-
-    def _ready_tables(self):
-        """Before a step looks rows up: the chief writes the tables' initial values on the ps
-        tasks (where nothing is there yet); another worker waits until it has."""
-        if self._tables_ready or not self._tables:
-            return
-        tables = self._tables + self._table_slots
-        with tf.init_scope():
-            if self._connection.is_chief:
-                for table in tables:
-                    table.initialize()
-            else:
-                deadline = time.monotonic() + self._init_timeout
-                while not all(table.is_initialized() for table in tables):
-                    if time.monotonic() > deadline:
-                        raise RunError(
-                            f"the chief {self._connection.training_tasks[0]} did not write the "
-                            f"embedding tables {[t._tfdist_path for t in self._tables]} on the "
-                            f"ps tasks within {self._init_timeout:g} s (`init_timeout`): is "
-                            "it running, with the same model?")
-                    time.sleep(0.05)
-        self._tables_ready = True
-
     def _validate_colocate_with_variable(self, colocate_with_variable):
         del colocate_with_variable
 
@@ -233,7 +167,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         step = _Step()
         previous = getattr(self._tls, "step", None)
         if previous is None:
-            self._ready_tables()
+            self._tables.ready()
         self._tls.step = step
         try:
             with replica_step():
@@ -243,7 +177,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         finally:
             self._tls.step = previous
         if previous is None and not tf.executing_eagerly():
-            check_step_reads(self._tables)
+            self._tables.check_step()
         if previous is not None:
             # A nested call (a LossScaleOptimizer applies in its own replica call): the
             # outer step's logs tell what it did.
@@ -299,16 +233,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             order = {protocol.GRADIENT: 0, protocol.AVERAGE: 0, protocol.VALUE: 1}
             parts.sort(key=lambda p: order[p.variable._tfdist_role])
         # Tables (and their slots) after the mirrors, each part on its own ps task.
-        self._table_parts = [[] for _ in range(num_ps)]
-        for table in self._tables + self._table_slots:
-            entry = {"path": table._tfdist_path, "dtype": table.dtype.name,
-                     "role": table._tfdist_role, "table": True, **fields.get(id(table), {})}
-            for shard, rows in table._tfdist_shards:
-                part = Part(table, rows)
-                entries[shard].append(VariableEntry(**{**entry, "shape": part.shape,
-                                                       "rows": rows}))
-                if table._tfdist_role == protocol.TABLE:
-                    self._table_parts[shard].append(part)
+        self._tables.add_entries(entries, fields)
         clients = [ShardClient(self._connection, s) for s in range(num_ps)]
         answers = []
         with tf.init_scope():
@@ -318,8 +243,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             if any(a["initialize"] for a in answers):
                 log.info("tfdist: %s initialises the run's master variables",
                          self._connection.task_name)
-                for table in self._tables + self._table_slots:
-                    table.initialize()  # on the ps tasks; a restored table is kept
+                self._tables.initialize()  # on the ps tasks; a restored table is kept
             mirrors = {v._tfdist_path: v for v in self._mirrors}
             with replica_step():  # the chief's own values, read before any is bound
                 initial = ({path: v.read_value() for path, v in mirrors.items()}
@@ -377,8 +301,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         mirrors = {v._tfdist_path: v for v in self._mirrors}
         places = [(mirrors[path], shard, rows) for path, parts in self._placement.items()
                   for shard, rows in parts]
-        places += [(table, shard, rows) for table in self._tables + self._table_slots
-                   for shard, rows in table._tfdist_shards]
+        places += self._tables.places()
         for variable, shard, rows in places:
             part = Part(variable, rows)
             out[shard]["variables"][variable._tfdist_path] = (None if rows is None
@@ -404,7 +327,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                          imports=imports,
                          compression=None if self._codec is None else self._codec.spec(),
                          init_timeout=self._init_timeout,
-                         table_updates=self._table_rule.updates)
+                         table_updates=self._tables.updates)
 
     def _pull(self):
         """Takes the current master weights of every shard (eagerly)."""
@@ -460,7 +383,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                                                               self._push.optimizer)
                 sent.append(payload)
             # The rows of each table's gradient on this ps task (never compressed).
-            payload = (*payload, *[c for part, entry in zip(self._table_parts[shard],
+            payload = (*payload, *[c for part, entry in zip(self._tables.parts[shard],
                                                             layout.tables)
                                    for c in wire.sparse_rows(main_tensor(part), entry)])
             # Shards do not wait for each other: their round trips overlap.

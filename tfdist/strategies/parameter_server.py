@@ -19,7 +19,7 @@ from tfdist._worker import WorkerTasksMixin
 from tfdist.ps.policies import AsyncPolicy
 from tfdist.ps.policies import SoftSyncPolicy
 from tfdist.ps.push import GradientPush
-from tfdist.ps.tables import TableRule
+from tfdist.ps.table_set import TableRule
 from tfdist.ps.worker import ParameterServerExtended
 
 

@@ -1,0 +1,193 @@
+"""A worker's embedding tables kept on the ps tasks: which variables they are, and their life.
+
+`TableRule` is what the strategies' `embedding_tables` and `embedding_updates` arguments say;
+`TableSet` is the engine's collaborator for the tables of one worker (`tfdist.ps.worker`):
+it makes a `tfdist.ps.tables.TableVariable` for each variable the rule names (and for each
+optimizer slot of one), has the chief write their initial values on the ps tasks before a
+step looks rows up, checks that no step reads one whole, and gives each ps task's spec the
+entries of the parts it holds.
+"""
+
+import time
+
+import tensorflow as tf
+
+from tfdist import _tf_compat
+from tfdist.ps import placement
+from tfdist.ps import protocol
+from tfdist.ps.client import RunError
+from tfdist.ps.spec import VariableEntry
+from tfdist.ps.tables import TableVariable
+from tfdist.ps.tables import check_step_reads
+from tfdist.ps.variables import Part
+
+AUTO = "auto"
+UPDATES = ("lazy", "dense")
+
+
+class TableRule:
+    """Which variables a parameter-server strategy keeps on the ps tasks only, and how the ps
+    updates their rows (the strategies' `embedding_tables` and `embedding_updates`).
+
+    Args:
+      embedding_tables: "auto" (the `embeddings` of every `keras.layers.Embedding`), None
+        (none: every worker mirrors every variable), or a list of Keras path patterns
+        (`fnmatch`, e.g. `["*/user_table/embeddings"]`): the trainable float variables of
+        rank 2 or more whose path matches.
+      embedding_updates: "lazy" (only the rows a step touched, with their slots: exact for
+        SGD without momentum and Adagrad, TF1's `LazyAdamOptimizer` rule for Adam, momentum
+        and the like) or "dense" (every row every step, as Keras updates a variable: exact for
+        every optimizer, at the cost of the whole table per update).
+    """
+
+    def __init__(self, embedding_tables=AUTO, embedding_updates="lazy"):
+        if embedding_tables is not None and embedding_tables != AUTO and not (
+                isinstance(embedding_tables, (list, tuple))
+                and all(isinstance(p, str) for p in embedding_tables)):
+            raise ValueError(
+                "`embedding_tables` must be 'auto' (the tables of `keras.layers.Embedding`), "
+                "None (no table: every worker mirrors every variable) or a list of Keras "
+                f"variable path patterns. Received: {embedding_tables!r}")
+        if embedding_updates not in UPDATES:
+            raise ValueError(f"`embedding_updates` must be one of {list(UPDATES)}. "
+                             f"Received: {embedding_updates!r}")
+        self.embedding_tables = embedding_tables
+        self.updates = embedding_updates
+
+    def __bool__(self):
+        return self.embedding_tables is not None
+
+    def matches(self, path, layer, shape, dtype, trainable):
+        """Whether the variable at `path`, made by `layer` (a Keras layer or None), is a
+        table."""
+        import fnmatch
+
+        import keras
+
+        if self.embedding_tables is None or not trainable or len(shape) < 2:
+            return False
+        if not tf.as_dtype(dtype).is_floating:
+            return False
+        if self.embedding_tables == AUTO:
+            return isinstance(layer, keras.layers.Embedding) and path.endswith("/embeddings")
+        return any(fnmatch.fnmatchcase(path, pattern) for pattern in self.embedding_tables)
+
+
+class TableSet:
+    """The embedding tables of a worker's model (and their optimizer slots).
+
+    Args:
+      rule: the `TableRule`.
+      connection: the worker's `tfdist.ps.connection.PSConnection`.
+      init_timeout: seconds a worker waits for the chief to write the tables.
+    """
+
+    def __init__(self, rule, connection, init_timeout):
+        self.rule = rule
+        self.connection = connection
+        self.init_timeout = init_timeout
+        self.tables = []   # looked up by the model, trained on the ps
+        self.slots = []    # the optimizer's state of a table: beside its rows
+        self.parts = None  # per ps task, the `Part`s of the tables it holds, once joined
+        self._ready = False
+
+    @property
+    def updates(self):
+        return self.rule.updates
+
+    def all(self):
+        return self.tables + self.slots
+
+    def make(self, kwargs, new_path):
+        """A `TableVariable` for the variable being made with `kwargs` if the rule names it (or
+        if it is an optimizer's slot of a table), else None. Its initial value is never made
+        on this worker. `new_path()` gives the variable's Keras path."""
+        if not self.rule:
+            return None
+        keras_variable = _tf_compat.keras_variable_being_initialized()
+        # (A Keras variable made from a value learns its shape after its storage is made:
+        # the optimizer's step counter. A table is made from an initializer.)
+        shape = getattr(keras_variable, "_shape", None)
+        if keras_variable is None or shape is None:
+            return None
+        shape = [int(n) for n in shape]
+        dtype = tf.as_dtype(kwargs.get("dtype") or keras_variable.dtype)
+        colocate_with = kwargs.get("colocate_with")
+        if isinstance(colocate_with, TableVariable):
+            # An optimizer's slot of a table: rows beside the table's, never on a worker.
+            shards = colocate_with._tfdist_shards
+            role = protocol.OPTIMIZER
+        elif self.rule.matches(keras_variable.path, _tf_compat.keras_layer_in_scope(), shape,
+                               dtype, kwargs.get("trainable", True)):
+            parts = min(self.connection.num_ps, shape[0])
+            shards = list(enumerate(placement.row_splits(shape[0], parts)))
+            role = protocol.TABLE
+        else:
+            return None
+        path = new_path()
+        table = TableVariable.create(
+            path, shape, dtype, [(self.connection.ps_devices[s], rows) for s, rows in shards],
+            initial_value=kwargs.get("initial_value"), trainable=role == protocol.TABLE,
+            name=path.rpartition("/")[2])
+        table._tfdist_role = role
+        table._tfdist_shards = tuple(shards)
+        # Keras's `ops.take` gathers from the Keras variable: through the table's lookup.
+        keras_variable.sparse_read = table.sparse_read
+        if not self.connection.is_chief:
+            table.follow()  # the chief writes the tables (a restore, `load_weights`)
+        table.before_read = self.ready
+        (self.tables if role == protocol.TABLE else self.slots).append(table)
+        self._ready = False
+        return table
+
+    def ready(self):
+        """Before a step looks rows up (or a whole read): the chief writes the tables' initial
+        values on the ps tasks where nothing is there yet; another worker waits until it has."""
+        if self._ready or not self.tables:
+            return
+        tables = self.all()
+        with tf.init_scope():
+            if self.connection.is_chief:
+                for table in tables:
+                    table.initialize()
+            else:
+                deadline = time.monotonic() + self.init_timeout
+                while not all(table.is_initialized() for table in tables):
+                    if time.monotonic() > deadline:
+                        raise RunError(
+                            f"the chief {self.connection.training_tasks[0]} did not write the "
+                            f"embedding tables {[t._tfdist_path for t in self.tables]} on the "
+                            f"ps tasks within {self.init_timeout:g} s (`init_timeout`): is "
+                            "it running, with the same model?")
+                    time.sleep(0.05)
+        self._ready = True
+
+    def check_step(self):
+        """After a step was traced: no table was read whole in it."""
+        check_step_reads(self.tables)
+
+    def initialize(self):
+        """A new run on the chief: the parts that hold nothing take their initial values (a
+        table restored or loaded before the run keeps what it holds)."""
+        for table in self.all():
+            table.initialize()
+
+    def add_entries(self, entries, fields):
+        """Joining a run: appends each part's spec entry to its ps task's `entries`
+        (`fields`: what the push adds per variable id), and lists the parts each push
+        carries rows for."""
+        self.parts = [[] for _ in entries]
+        for table in self.all():
+            entry = {"path": table._tfdist_path, "dtype": table.dtype.name,
+                     "role": table._tfdist_role, "table": True, **fields.get(id(table), {})}
+            for shard, rows in table._tfdist_shards:
+                part = Part(table, rows)
+                entries[shard].append(VariableEntry(**{**entry, "shape": part.shape,
+                                                       "rows": rows}))
+                if table._tfdist_role == protocol.TABLE:
+                    self.parts[shard].append(part)
+
+    def places(self):
+        """`(table, ps index, rows)` of every part."""
+        return [(table, shard, rows) for table in self.all()
+                for shard, rows in table._tfdist_shards]
