@@ -8,6 +8,7 @@ worker killed mid-run (the others fail with its name).
 
 import json
 import os
+import random
 import signal
 import time
 
@@ -72,6 +73,31 @@ class ScheduleTest(tf.test.TestCase, parameterized.TestCase):
             schedule = Schedule(lambda step, rank, n, bad=bad: bad, 2, 3)
             with self.assertRaisesRegex(ValueError, r"`graph` must return"):
                 schedule.out_peers(0, 1)
+
+
+    def test_a_random_callable_graph_gives_every_worker_the_same_peers(self):
+        # Each worker has its own Schedule and its own global generators' state: the
+        # receivers' in-counts must match the senders' draws, or a step waits for ever.
+        def draw(step, rank, n):  # no seed of its own: Python's, then NumPy's generator
+            others = [p for p in range(n) if p != rank]
+            if step % 2:
+                return [random.choice(others)]
+            return list(np.random.choice(others, size=2, replace=False))
+
+        workers = [Schedule(draw, 2, 6) for _ in range(6)]
+        drawn = set()
+        for step in range(12):
+            for rank, schedule in enumerate(workers):
+                random.seed(1000 * step + rank)  # each process's own state, unrelated
+                np.random.seed(1000 * step + rank + 1)
+                before = random.random()
+                random.seed(1000 * step + rank)
+                sent = schedule.out_peers(step, rank)
+                self.assertEqual(random.random(), before)  # the caller's state is kept
+                drawn.add(tuple(sent))
+                for receiver in sent:
+                    self.assertEqual(workers[receiver].in_counts(step, receiver)[rank], 1)
+        self.assertGreater(len(drawn), 6)  # the draws do vary with the step and rank
 
 
 class ArgumentsTest(tf.test.TestCase):
