@@ -24,7 +24,6 @@ from tests.strategies.ps_testing import cluster_log
 from tests.strategies.ps_testing import load_result
 from tests.strategies.ps_testing import make_cluster
 from tests.strategies.ps_testing import run_cluster
-from tests.strategies.ps_testing import wait_for_line
 from tfdist.cluster import ClusterConfig
 from tfdist.cluster import pick_free_ports
 from tfdist.gossip import protocol
@@ -238,7 +237,14 @@ class ClusterTest(tf.test.TestCase):
         with make_cluster(out, 3, "--strategy=sgp", "--epochs=400", "--sgp_scenario=long",
                           "--strategy_arg=peer_timeout=2", num_ps=0, program=PROGRAM,
                           stop_on_failure=False) as cluster:
-            wait_for_line(cluster, "READY")
+            # Every worker has trained an epoch, so every courier has connected: the kill
+            # lands mid-run, not in a courier's start (where the courier exits and its worker
+            # must still name the dead peer, not its courier: tfdist/gossip/node.py).
+            deadline = time.monotonic() + 180  # a bound against a hang
+            while {name for name, line in list(cluster.lines)
+                   if line.startswith("READY ")} != {"worker:0", "worker:1", "worker:2"}:
+                self.assertLess(time.monotonic(), deadline, cluster_log(cluster))
+                time.sleep(0.1)
             killed_at = time.monotonic()
             os.kill(cluster.pid("worker:1"), signal.SIGKILL)
             result = cluster.wait()
