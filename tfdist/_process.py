@@ -1,9 +1,11 @@
 """Child processes that end with the process that started them (the launcher's tasks, a gossip
-worker's courier)."""
+worker's courier), and a process that ends on its last word."""
 
 import ctypes
+import logging
 import os
 import signal
+import sys
 
 _PR_SET_PDEATHSIG = 1
 
@@ -23,3 +25,20 @@ def die_with(parent, sig=signal.SIGTERM):
         libc.prctl(_PR_SET_PDEATHSIG, sig)
     if os.getppid() != parent:
         os._exit(1)
+
+
+def end_with_last_word(code=1):
+    """Ends this process now, with exit code `code`, after the logged error that says why.
+
+    A worker whose ps task is gone can do nothing more, and TensorFlow's own teardown (its
+    eager context trying to reach the lost task) would print hundreds of lines of gRPC errors
+    after that error: the last screen a user sees would be noise. Like a ps task at its end
+    (`tfdist.launch.main`), the process flushes what it has logged and printed, and exits
+    without that teardown."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -150,7 +150,10 @@ class AsyncTrainingTest(tf.test.TestCase):
 
     def test_learning_rate_factor_reaches_the_optimizer(self):
         out = self.get_temp_dir()
-        cluster, result = run_cluster(out, 1, "--strategy=async", "--frozen", "--epochs=1")
+        # The staleness function's module is named on the ps's command line: a ps imports
+        # no other module a worker names (tests/ps/service_test.py).
+        cluster, result = run_cluster(out, 1, "--strategy=async", "--frozen", "--epochs=1",
+                                      ps_imports=["tests.strategies.ps_functions"])
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         initial = load_result(out, "initial.json")["weights"]
         final = load_result(out, "worker0.json")["weights"]

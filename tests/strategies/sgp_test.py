@@ -8,6 +8,7 @@ worker killed mid-run (the others fail with its name).
 
 import json
 import os
+import random
 import signal
 import time
 
@@ -23,7 +24,6 @@ from tests.strategies.ps_testing import cluster_log
 from tests.strategies.ps_testing import load_result
 from tests.strategies.ps_testing import make_cluster
 from tests.strategies.ps_testing import run_cluster
-from tests.strategies.ps_testing import wait_for_line
 from tfdist.cluster import ClusterConfig
 from tfdist.cluster import pick_free_ports
 from tfdist.gossip import protocol
@@ -72,6 +72,31 @@ class ScheduleTest(tf.test.TestCase, parameterized.TestCase):
             schedule = Schedule(lambda step, rank, n, bad=bad: bad, 2, 3)
             with self.assertRaisesRegex(ValueError, r"`graph` must return"):
                 schedule.out_peers(0, 1)
+
+
+    def test_a_random_callable_graph_gives_every_worker_the_same_peers(self):
+        # Each worker has its own Schedule and its own global generators' state: the
+        # receivers' in-counts must match the senders' draws, or a step waits for ever.
+        def draw(step, rank, n):  # no seed of its own: Python's, then NumPy's generator
+            others = [p for p in range(n) if p != rank]
+            if step % 2:
+                return [random.choice(others)]
+            return list(np.random.choice(others, size=2, replace=False))
+
+        workers = [Schedule(draw, 2, 6) for _ in range(6)]
+        drawn = set()
+        for step in range(12):
+            for rank, schedule in enumerate(workers):
+                random.seed(1000 * step + rank)  # each process's own state, unrelated
+                np.random.seed(1000 * step + rank + 1)
+                before = random.random()
+                random.seed(1000 * step + rank)
+                sent = schedule.out_peers(step, rank)
+                self.assertEqual(random.random(), before)  # the caller's state is kept
+                drawn.add(tuple(sent))
+                for receiver in sent:
+                    self.assertEqual(workers[receiver].in_counts(step, receiver)[rank], 1)
+        self.assertGreater(len(drawn), 6)  # the draws do vary with the step and rank
 
 
 class ArgumentsTest(tf.test.TestCase):
@@ -212,7 +237,14 @@ class ClusterTest(tf.test.TestCase):
         with make_cluster(out, 3, "--strategy=sgp", "--epochs=400", "--sgp_scenario=long",
                           "--strategy_arg=peer_timeout=2", num_ps=0, program=PROGRAM,
                           stop_on_failure=False) as cluster:
-            wait_for_line(cluster, "READY")
+            # Every worker has trained an epoch, so every courier has connected: the kill
+            # lands mid-run, not in a courier's start (where the courier exits and its worker
+            # must still name the dead peer, not its courier: tfdist/gossip/node.py).
+            deadline = time.monotonic() + 180  # a bound against a hang
+            while {name for name, line in list(cluster.lines)
+                   if line.startswith("READY ")} != {"worker:0", "worker:1", "worker:2"}:
+                self.assertLess(time.monotonic(), deadline, cluster_log(cluster))
+                time.sleep(0.1)
             killed_at = time.monotonic()
             os.kill(cluster.pid("worker:1"), signal.SIGKILL)
             result = cluster.wait()

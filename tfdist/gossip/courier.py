@@ -31,6 +31,7 @@ def serve(spec):
     import tensorflow as tf
 
     from tfdist.cluster import as_cluster_config
+    from tfdist.cluster import is_listening
     from tfdist.cluster import parse_address
     from tfdist.cluster import wait_for_tasks
     from tfdist.gossip import protocol
@@ -40,15 +41,23 @@ def serve(spec):
     tasks = config.training_tasks
     names = [f"/job:{job}/task:{i}" for job, i in tasks]
     addresses = [config.address(job, i) for job, i in tasks]
-    wait_for_tasks(dict(zip(names, addresses)), timeout=spec["connect_timeout"])
     cluster = {job: list(config.cluster[job]) for job in ("chief", "worker")
                if job in config.cluster}
     host, _ = parse_address(addresses[rank])
     cluster[JOB] = {rank: f"{host}:{spec['port']}"}
-    tf.config.threading.set_inter_op_parallelism_threads(2)
-    tf.config.experimental_connect_to_cluster(
-        tf.train.ClusterSpec(cluster), job_name=JOB, task_index=rank,
-        protocol=config.rpc_layer or "grpc", make_master_device_default=False)
+    try:
+        wait_for_tasks(dict(zip(names, addresses)), timeout=spec["connect_timeout"])
+        tf.config.threading.set_inter_op_parallelism_threads(2)
+        tf.config.experimental_connect_to_cluster(
+            tf.train.ClusterSpec(cluster), job_name=JOB, task_index=rank,
+            protocol=config.rpc_layer or "grpc", make_master_device_default=False)
+    except Exception as e:  # a peer died (or never came) while the courier connected
+        silent = [f"{names[r]} at {addresses[r]}" for r in range(len(tasks))
+                  if r != rank and not is_listening(addresses[r], timeout=0.5)]
+        log.error("tfdist: the courier of %s could not connect to the workers (%s: %s)%s",
+                  names[rank], type(e).__name__, str(e).splitlines()[0] if str(e) else "",
+                  f"; not answering: {', '.join(silent)}" if silent else "")
+        return 1
     home = protocol.task_device(tasks[rank])
     outbox = protocol.outbox_queue(home)
     inboxes = {}

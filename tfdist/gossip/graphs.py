@@ -10,7 +10,10 @@ callable is called from the step through `tf.py_function`.
 [[1], [2], [4], [1]]
 """
 
+import contextlib
 import math
+import random
+import threading
 
 import numpy as np
 
@@ -61,13 +64,21 @@ class Schedule:
         `(step, rank, num_workers) -> list of out-peers` giving between 1 and
         `peers_per_step` distinct ranks other than `rank` (a worker with p out-peers at a
         step keeps 1/(p+1) of its parameters and weight and sends 1/(p+1) to each).
+        Every worker calls it for every sender (a receiver recomputes whom the others send
+        to, and waits for those messages), so it must give the same answer for the same
+        `(step, rank)` on every worker. A callable may draw from Python's `random` or
+        NumPy's global `np.random`: each call runs with both seeded from `(seed, step,
+        rank)` (and their state restored after), so its draws are the same everywhere.
+        Any other randomness must be derived from `step` and `rank` alone.
       peers_per_step: p, out-peers per step (a callable graph's most).
       num_workers: M.
+      seed: mixed into the seed of each call of a callable graph.
     """
 
-    def __init__(self, graph, peers_per_step, num_workers):
+    def __init__(self, graph, peers_per_step, num_workers, seed=0):
         check_graph(graph, peers_per_step, num_workers)
         self.graph = graph
+        self.seed = seed
         self.peers_per_step = peers_per_step
         self.num_workers = num_workers
         if graph == "exponential":
@@ -90,7 +101,8 @@ class Schedule:
         """The ranks `rank` sends to at `step` (checked when the graph is a callable)."""
         if self.periodic:
             return [(rank + hop) % self.num_workers for hop in self._hops[step % self.period]]
-        peers = self.graph(int(step), int(rank), self.num_workers)
+        with _seeded_global_random(self.seed, int(step), int(rank)):
+            peers = self.graph(int(step), int(rank), self.num_workers)
         try:
             peers = [int(p) for p in peers]
         except (TypeError, ValueError):
@@ -123,6 +135,24 @@ class Schedule:
         out = np.array([self.out_peers(k, rank) for k in range(self.period)], np.int32)
         counts = np.stack([self.in_counts(k, rank) for k in range(self.period)])
         return out, counts
+
+
+_global_random = threading.Lock()
+
+
+@contextlib.contextmanager
+def _seeded_global_random(*key):
+    """Python's and NumPy's global generators seeded from `key`, restored afterwards."""
+    seed = int(np.random.SeedSequence([int(k) & 0xFFFFFFFF for k in key]).generate_state(1)[0])
+    with _global_random:
+        saved = random.getstate(), np.random.get_state()
+        random.seed(seed)
+        np.random.seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
 
 
 def make_schedule(graph, peers_per_step, num_workers):

@@ -178,7 +178,7 @@ class GossipNode:
         down_since = {}
         while not self._stop.wait(0.5):
             if self.courier.poll() is not None:
-                self._report(self.num_workers)
+                self._report(self._blame_for_courier())
                 return
             with self._lock:
                 peers = sorted(self.expected)
@@ -193,6 +193,18 @@ class GossipNode:
                     if still_expected:
                         self._report(peer)
                         return
+
+    def _blame_for_courier(self):
+        """Who to name when the courier exited: a peer it was to reach that does not listen
+        any more (the courier fails, or never connects, when a peer dies under it: the user
+        must be sent to that peer's machine), else the courier itself (`num_workers`)."""
+        with self._lock:
+            peers = sorted(self.expected)
+        for peer in peers:
+            # Probed twice: a peer's port that does not answer once may be a busy backlog.
+            if not any(is_listening(self.addresses[peer], timeout=0.5) for _ in range(2)):
+                return peer
+        return self.num_workers
 
     def _report(self, dead):
         self.reported = dead

@@ -53,8 +53,8 @@ flags.DEFINE_integer("ps_threads", None, "Inter-op threads of a ps server (defau
 flags.DEFINE_multi_string(
     "ps_import", [], "A module a ps task imports before it serves (repeatable): where custom "
     "optimizers, learning-rate schedules, constraints or staleness functions are registered "
-    "(`@keras.saving.register_keras_serializable()`). The optimizer's own module is "
-    "imported without it.")
+    "(`@keras.saving.register_keras_serializable()`). A ps imports no module a worker names "
+    "but Keras's own and these: a custom optimizer's own module must be named too.")
 flags.DEFINE_bool("local", False, "Start a whole cluster on this machine.")
 flags.DEFINE_integer("num_ps", 1, "With --local, --kubernetes or --kubernetes_manifest: "
                      "number of ps tasks (0 for an all-reduce or decentralised job).",
@@ -353,7 +353,7 @@ def _serve_ps(config, command):
             log=lambda line: print(f"[tfdist-launch] {task}: {line}", file=sys.stderr,
                                    flush=True))
     _import_modules(FLAGS.ps_import)
-    code = serve(config, threads=threads, workers_gone=workers_gone)
+    code = serve(config, threads=threads, workers_gone=workers_gone, imports=FLAGS.ps_import)
     # TensorFlow's native teardown (the gRPC server, the eager context) takes seconds - over
     # 5 s on busy cores, where a launcher gives up and SIGKILLs the task. A ps has nothing
     # to save: say what there is to say, and end the process now.

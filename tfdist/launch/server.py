@@ -160,7 +160,7 @@ class WorkersGone:
                    f"start ({never}): giving up")
 
 
-def serve(config, threads=None, ready_callback=None, workers_gone=None):
+def serve(config, threads=None, ready_callback=None, workers_gone=None, imports=()):
     """Runs the ps task of `config` until SIGTERM or SIGINT, then returns 0.
 
     Beside the gRPC server runs the task's `PSService`, which updates its shard of every
@@ -172,6 +172,9 @@ def serve(config, threads=None, ready_callback=None, workers_gone=None):
       ready_callback: called with the server's target once it serves.
       workers_gone: None, or a `WorkersGone` whose verdict also ends the task (with its exit
         code, and a line on stderr that says why).
+      imports: the modules named with `--ps_import`: besides Keras's own, the only modules a
+        worker's hello may ask the ps to import (custom optimizers, schedules, staleness
+        functions); a hello naming any other is answered with an error.
     """
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set())
@@ -181,7 +184,7 @@ def serve(config, threads=None, ready_callback=None, workers_gone=None):
         target = start_server(config, threads)
         from tfdist.ps.service import PSService
 
-        PSService(config).start()
+        PSService(config, imports=imports).start()
         if ready_callback:
             ready_callback(target)
         next_probe = time.monotonic()

@@ -100,12 +100,68 @@ class Membership:
         return was
 
 
-def control_message(text):
+class BadControlMessage(ValueError):
+    """A control message the service cannot act on; it is logged and ignored."""
+
+
+# The fields of each control message type and the JSON types they must have.
+_CONTROL_FIELDS = {"hello": {"rank": int, "nonce": str, "spec": dict},
+                   "absent": {"rank": int},
+                   "stop": {}}
+_TYPE_NAMES = {int: "an integer", str: "a string", dict: "a JSON object"}
+
+
+def _a(kind):
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} message"
+
+
+def control_message(text, num_workers=None):
     """A message of the control queue (hello, absent, stop), as the dict the service acts on.
 
     What a worker says about itself reaches a run only through here and `LivenessWatcher`.
+    Anything may arrive on the queue (any process that reaches the ps port can enqueue), so
+    the message is checked before anyone acts on it.
+
+    Args:
+      text: the message as it travelled (bytes or str of JSON).
+      num_workers: None, or the number of worker ranks a `rank` field must be below.
+
+    Raises:
+      BadControlMessage: naming what is wrong (not JSON, not an object, an unknown type, a
+        missing field, a field of the wrong type, a rank out of range) and what was received.
     """
-    return wire.decode(text)
+    shown = repr(text if len(text) <= 200 else text[:200] + (b"..." if isinstance(
+        text, bytes) else "..."))
+    try:
+        message = wire.decode(text)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise BadControlMessage(f"not JSON ({e}). Received: {shown}") from None
+    if not isinstance(message, dict):
+        raise BadControlMessage(f"not a JSON object but a {type(message).__name__}. "
+                                f"Received: {shown}")
+    kind = message.get("type")
+    if kind not in _CONTROL_FIELDS:
+        raise BadControlMessage(f"`type` must be one of {sorted(_CONTROL_FIELDS)}. "
+                                f"Received: type={kind!r}")
+    for field, wanted in _CONTROL_FIELDS[kind].items():
+        if field not in message:
+            raise BadControlMessage(f"{_a(kind)} needs a `{field}` field. "
+                                    f"Received: {shown}")
+        value = message[field]
+        if isinstance(value, bool) or not isinstance(value, wanted):
+            raise BadControlMessage(f"`{field}` of {_a(kind)} must be "
+                                    f"{_TYPE_NAMES[wanted]}. Received: {field}={value!r}")
+    if "rank" in _CONTROL_FIELDS[kind]:
+        check_rank(message["rank"], num_workers, kind)
+    return message
+
+
+def check_rank(rank, num_workers, kind):
+    """Raises `BadControlMessage` unless `rank` is a worker rank (below `num_workers`)."""
+    if rank < 0 or (num_workers is not None and rank >= num_workers):
+        bound = "" if num_workers is None else f" and below num_workers={num_workers}"
+        raise BadControlMessage(f"`rank` of {_a(kind)} must be >= 0{bound}. "
+                                f"Received: rank={rank}")
 
 
 def probe(address):

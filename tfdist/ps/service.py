@@ -29,8 +29,10 @@ import tensorflow as tf
 from tfdist import compression as compression_lib
 from tfdist.ps import protocol
 from tfdist.ps import wire
+from tfdist.ps.membership import BadControlMessage
 from tfdist.ps.membership import LivenessWatcher
 from tfdist.ps.membership import Membership
+from tfdist.ps.membership import check_rank
 from tfdist.ps.membership import control_message
 from tfdist.ps.policies import policy_from_spec
 from tfdist.ps.protocol import LIVE
@@ -241,6 +243,31 @@ class ShardRun:
                     pass
 
 
+def refused_import(spec, allowed):
+    """None if every module the hello's `spec` asks the ps to import is allowed, else why not.
+
+    A hello names modules (a custom optimizer's or schedule's, `spec.imports`) and
+    `module:function` staleness functions; importing a module runs its code, and any process
+    that reaches the ps port can say hello. So the ps imports only Keras's own modules and
+    those named on its own command line (`allowed`: `--ps_import`, and their submodules).
+    """
+    wanted = list(spec.imports)
+    staleness = spec.policy.get("staleness") if isinstance(spec.policy, dict) else None
+    if isinstance(staleness, str) and ":" in staleness:
+        wanted.append(staleness)
+    for reference in wanted:
+        module = str(reference).partition(":")[0]
+        if not any(module == root or module.startswith(root + ".")
+                   for root in ("keras", *allowed)):
+            return (f"the workers' spec asks the ps to import {module!r} (for "
+                    f"{reference!r}), which was not named on the ps task's command line: a ps "
+                    f"imports only Keras's own modules and those given to it. Start the ps "
+                    f"tasks with `tfdist-launch --job_name=ps --ps_import={module}` "
+                    f"(`LocalCluster(..., ps_imports=[{module!r}])`). Allowed now: "
+                    f"{['keras', *allowed]}")
+    return None
+
+
 class PSService:
     """Answers workers' hellos and runs the shard runs of one ps task.
 
@@ -248,12 +275,18 @@ class PSService:
       config: the ps task's `ClusterConfig`.
       liveness_interval: seconds between probes of the workers' servers.
       misses_to_dead: failed probes in a row after which a worker is dead.
+      imports: the modules the ps task's command line named (`--ps_import`): with Keras's
+        own, the only ones a worker's spec may ask it to import (`refused_import`).
+      device: where its queues and runs live (None: the ps task's CPU; a test in one
+        process passes its local CPU).
     """
 
-    def __init__(self, config, liveness_interval=0.5, misses_to_dead=4):
+    def __init__(self, config, liveness_interval=0.5, misses_to_dead=4, imports=(),
+                 device=None):
         self.config = config
+        self.imports = tuple(imports)
         self.task = f"/job:ps/task:{config.task_index}"
-        self.device = f"/job:ps/replica:0/task:{config.task_index}/device:CPU:0"
+        self.device = device or f"/job:ps/replica:0/task:{config.task_index}/device:CPU:0"
         self.current = None
         self._runs = 0
         self._stop = threading.Event()
@@ -298,20 +331,45 @@ class PSService:
             with tf.device(self.device):
                 text = tf.raw_ops.QueueDequeueV2(handle=self.control,
                                                  component_types=[tf.string])[0]
-            message = control_message(text.numpy())
-            try:
-                if message["type"] == "hello":
-                    self._hello(message)
-                elif message["type"] == "absent" and self.current is not None:
-                    self.current.send_control(protocol.LEAVE, message["rank"])
-            except Exception as e:  # A bad message must not stop the service.
-                log.exception("tfdist: %s: bad control message", self.task)
-                if "rank" in message:
-                    self._answer(message["rank"], {"nonce": message.get("nonce"),
+            self.handle_control(text.numpy())
+
+    def handle_control(self, text):
+        """Acts on one control message; a bad one is logged, with what is wrong, and ignored
+        (any process that reaches the port can enqueue one: it must not stop the service)."""
+        message = None
+        try:
+            message = control_message(text)
+            if message["type"] == "hello":
+                self._hello(message)
+            elif message["type"] == "absent" and self.current is not None:
+                check_rank(message["rank"], self.current.num_workers, "absent")
+                self.current.send_control(protocol.LEAVE, message["rank"])
+        except BadControlMessage as e:
+            log.error("tfdist: %s: ignored a bad control message: %s", self.task, e)
+        except Exception as e:
+            log.exception("tfdist: %s: bad control message", self.task)
+            if message is not None and message.get("type") == "hello":
+                try:
+                    self._answer(message["rank"], {"nonce": message["nonce"],
                                                    "error": f"{type(e).__name__}: {e}"})
+                except Exception:  # noqa: BLE001 - the log above says it all
+                    log.exception("tfdist: %s: could not answer rank %s", self.task,
+                                  message["rank"])
 
     def _hello(self, message):
-        rank, spec = message["rank"], ShardSpec.from_json(message["spec"])
+        try:
+            spec = ShardSpec.from_json(message["spec"])
+        except (KeyError, TypeError, ValueError) as e:
+            problem = f"the spec of a hello is not a shard's spec ({type(e).__name__}: {e})"
+            self._answer(message["rank"], {"nonce": message["nonce"], "error": problem})
+            raise BadControlMessage(problem) from None
+        rank = message["rank"]
+        check_rank(rank, spec.num_workers, "hello")
+        refused = refused_import(spec, self.imports)
+        if refused is not None:
+            log.error("tfdist: %s: refused the hello of rank %d: %s", self.task, rank, refused)
+            self._answer(rank, {"nonce": message["nonce"], "error": refused})
+            return
         with self.lock:
             run = self.current
             if run is not None and not (run.closing or run.finished.is_set()):

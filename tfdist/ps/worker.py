@@ -20,6 +20,7 @@ import time
 import tensorflow as tf
 
 from tfdist import _tf_compat
+from tfdist._process import end_with_last_word
 from tfdist._worker import BetweenGraphExtendedMixin
 from tfdist._worker import check_positive_seconds
 from tfdist.cluster.network import CONNECT_TIMEOUT_ENV
@@ -448,6 +449,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                       "UnavailableError above is that). Restart the job; the chief's last "
                       "checkpoint holds the model",
                       ", ".join(f"{name} at {address}" for name, address in gone))
+            end_with_last_word(1)  # issue 22: the error above stays the user's last screen
 
     def _send_leave(self):
         for client in self._clients:

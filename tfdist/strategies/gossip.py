@@ -39,7 +39,11 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
         i + 2^(k mod L) mod M, L = ceil(log2 M), and with p peers per step the next p hops),
         "ring" (i sends to i + 1, ..., i + p), or a callable
         `(step, rank, num_workers) -> list of out-peers` (between 1 and `peers_per_step`
-        distinct other ranks; called from the step through `tf.py_function`).
+        distinct other ranks; called from the step through `tf.py_function`). Every
+        worker calls it for every sender, to know whose messages to wait for, so it must
+        answer the same for the same `(step, rank)` everywhere: each call runs with
+        Python's `random` and NumPy's global generator seeded from `(step, rank)`, so
+        draws from those are; any other randomness must be derived from `step` and `rank`.
       peers_per_step: p, out-peers per step (for "exponential", at most L).
       overlap: True (the paper's overlap SGP): the messages of step k travel while the
         worker computes step k+1, and a step takes whatever messages have arrived; a
