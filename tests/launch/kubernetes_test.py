@@ -104,6 +104,16 @@ class ManifestTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(worker["command"][-3:], ["--", "python", "train.py"])
         self.assertIn("--connect_timeout=600", worker["command"])
         self.assertEqual(worker["resources"]["limits"], {"cpu": "2", "memory": "4Gi"})
+        # A ps imports only the modules its command line names (a custom optimizer's).
+        imported = _by_kind(manifests("digits", "me/train:1", ["python", "t.py"],
+                                      ps_imports=["my_optimizers"]))["Job/ps"]
+        self.assertIn("--ps_import=my_optimizers",
+                      imported["spec"]["template"]["spec"]["containers"][0]["command"])
+        tfjob, _ = manifests("digits", "me/train:1", ["python", "t.py"], kind="tfjob",
+                             ps_imports=["my_optimizers"])
+        self.assertEqual(
+            tfjob["spec"]["tfReplicaSpecs"]["PS"]["template"]["spec"]["containers"][0][
+                "command"][-1], "--ps_import=my_optimizers")
         capped = _by_kind(manifests("digits", "me/train:1", ["python", "t.py"],
                                     worker_retries=1, max_failed_workers=2))["Job/worker"]
         _validate(capped)

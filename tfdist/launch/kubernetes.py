@@ -151,7 +151,8 @@ def _pod_flags(name, namespace, port, num_ps, num_workers, job_name, connect_tim
 def manifests(name, image, command, num_ps=1, num_workers=2, namespace="default", port=2222,
               kind="plain", cpu=None, memory=None, ps_cpu=None, ps_memory=None, env=None,
               connect_timeout=CONNECT_TIMEOUT, worker_retries=3, max_failed_workers=None,
-              exit_after_workers_gone=WORKERS_GONE_GRACE, run_as_user=1000, token=None):
+              exit_after_workers_gone=WORKERS_GONE_GRACE, run_as_user=1000, token=None,
+              ps_imports=()):
     """The manifests of a tfdist job, as a list of dicts (see `to_yaml`).
 
     Args:
@@ -181,6 +182,8 @@ def manifests(name, image, command, num_ps=1, num_workers=2, namespace="default"
       run_as_user: the user id every container runs as (not 0), or None for the image's
         own user, which must then be a numeric non-root user.
       token: the NetworkPolicy's token label value (None: a fresh random one).
+      ps_imports: modules every ps task imports (`--ps_import`), and the only ones a worker's
+        hello may ask it to use: a custom optimizer's, schedule's or staleness function's.
 
     Raises:
       ValueError: an argument is out of range; the message names it.
@@ -216,10 +219,14 @@ def manifests(name, image, command, num_ps=1, num_workers=2, namespace="default"
     token = secrets.token_hex(16) if token is None else token
     env = {"TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE": "False", "PYTHONUNBUFFERED": "1",
            **(env or {})}
+    if isinstance(ps_imports, str) or not all(isinstance(m, str) and m for m in ps_imports):
+        raise ValueError(f"`ps_imports` must be a list of module names. Received: "
+                         f"{ps_imports!r}")
     job = _Job(name, image, list(command), num_ps, num_workers, namespace, port, env,
                connect_timeout, worker_retries, run_as_user, token,
                worker_resources=_resources(cpu, memory),
-               ps_resources=_resources(ps_cpu or cpu, ps_memory or memory))
+               ps_resources=_resources(ps_cpu or cpu, ps_memory or memory),
+               ps_imports=list(ps_imports))
     if kind == "tfjob":
         return [job.tfjob(), _network_policy(name, namespace, port, token)]
     return [*job.plain(max_failed_workers, exit_after_workers_gone),
@@ -231,13 +238,14 @@ class _Job:
 
     def __init__(self, name, image, command, num_ps, num_workers, namespace, port, env,
                  connect_timeout, worker_retries, run_as_user, token, worker_resources,
-                 ps_resources):
+                 ps_resources, ps_imports=()):
         self.name, self.image, self.command = name, image, command
         self.num_ps, self.num_workers = num_ps, num_workers
         self.namespace, self.port, self.env = namespace, port, env
         self.connect_timeout, self.worker_retries = connect_timeout, worker_retries
         self.run_as_user, self.token = run_as_user, token
         self.worker_resources, self.ps_resources = worker_resources, ps_resources
+        self.ps_flags = [f"--ps_import={module}" for module in ps_imports]
 
     def labels(self, task):
         return {JOB_LABEL: self.name, TOKEN_LABEL: self.token, TASK_LABEL: task}
@@ -272,7 +280,7 @@ class _Job:
         if self.num_ps:
             ps = _container("ps", self.image, [
                 *_pod_flags(*flags, "ps", self.connect_timeout),
-                f"--exit_after_workers_gone={exit_after_workers_gone:g}"],
+                f"--exit_after_workers_gone={exit_after_workers_gone:g}", *self.ps_flags],
                 self.port, self.ps_resources, self.env)
             ps["readinessProbe"] = {"tcpSocket": {"port": self.port}, "periodSeconds": 2}
             docs += [self._service("ps"),
@@ -309,8 +317,8 @@ class _Job:
         specs = {}
         if self.num_ps:
             specs["PS"] = replica(self.num_ps, ["tfdist-launch", "--from_tf_config",
-                                                "--job_name=ps"], self.ps_resources, "ps",
-                                  "Never")
+                                                "--job_name=ps", *self.ps_flags],
+                                  self.ps_resources, "ps", "Never")
         specs["Worker"] = replica(
             self.num_workers, ["tfdist-launch", "--from_tf_config",
                                f"--connect_timeout={self.connect_timeout:g}", "--",

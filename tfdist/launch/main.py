@@ -309,7 +309,7 @@ def _write_manifests(command):
             ps_memory=FLAGS.ps_memory, connect_timeout=FLAGS.connect_timeout or CONNECT_TIMEOUT,
             worker_retries=FLAGS.worker_retries, max_failed_workers=FLAGS.max_failed_workers,
             exit_after_workers_gone=FLAGS.exit_after_workers_gone or WORKERS_GONE_GRACE,
-            run_as_user=_run_as_user())
+            run_as_user=_run_as_user(), ps_imports=FLAGS.ps_import)
     except ValueError as e:
         raise app.UsageError(_as_flags(str(e))) from None
     text = to_yaml(docs, header=(

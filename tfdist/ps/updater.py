@@ -211,8 +211,9 @@ class ShardUpdateGraph:
                 f"({type(e).__name__}: {e}). A custom class (optimizer, learning rate "
                 "schedule, constraint) must be registered with "
                 "`@keras.saving.register_keras_serializable()` in a module the ps tasks "
-                "import: tfdist imports the optimizer's own module there; name any other with "
-                "`tfdist-launch --job_name=ps --ps_import=MODULE`") from None
+                "import: name it with `tfdist-launch --job_name=ps --ps_import=MODULE` (or "
+                "`--local ... --ps_import=MODULE`, `LocalCluster(ps_imports=[...])`, "
+                "a manifest's `--ps_import`)") from None
 
     def _import(self, module):
         try:
