@@ -201,11 +201,12 @@ def derive(figures):
     rate, quality = figures.get("rate") or {}, figures.get("quality") or {}
     peaks = figures.get("peak_resident_bytes") or {}
     workers = [v for k, v in sorted(peaks.items()) if k.startswith("worker")]
+    ps = [v for k, v in sorted(peaks.items()) if k.startswith("ps")]
     out = {"updates_per_second": rate.get("updates_per_second"),
            "examples_per_second": None, "bytes_per_worker_step": None,
            "worker_peak_bytes": max(workers) if workers else None,
-           "worker_peak_bytes_each": workers,
-           "ps_peak_bytes_each": [v for k, v in sorted(peaks.items()) if k.startswith("ps")],
+           "worker_peak_bytes_each": workers, "ps_peak_bytes": max(ps) if ps else None,
+           "ps_peak_bytes_each": ps,
            "loss": quality.get("loss"), "accuracy": quality.get("accuracy"),
            "quality_examples": quality.get("examples")}
     pushes = rate.get("pushes_per_second")
@@ -235,7 +236,7 @@ def estimates(rows):
 def summarize(runs):
     """Median, min and max of each figure over the runs that gave it."""
     keys = ("updates_per_second", "examples_per_second", "bytes_per_worker_step",
-            "worker_peak_bytes", "loss", "accuracy")
+            "worker_peak_bytes", "ps_peak_bytes", "loss", "accuracy")
     out = {}
     for key in keys:
         values = [r[key] for r in runs if r.get(key) is not None]
@@ -290,7 +291,7 @@ def main(argv):
                              "quality_examples", "batch_size", "steps_per_execution",
                              "embedding_tables", "quick")}
                | {"peer": bool(FLAGS.peer_python), "train_examples": TRAIN_EXAMPLES,
-                  "job": job.__doc__.split("\n\n")[0]},
+                  "job": job.DESCRIPTION},
                "estimates": {str(rows): estimates(rows) for rows in rows_list}, "cells": []}
     runs = {(cell, rows): [] for rows in rows_list for cell in cells}
     for repeat in range(FLAGS.repeats):

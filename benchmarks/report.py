@@ -342,9 +342,11 @@ def embedding_section(result):
              f"{settings['warmup']:g} s; an update is one change of the ps variables (hard sync:"
              " one per `workers` pushes); examples/s = pushes x batch. Bytes: the cluster's "
              "private loopback over the window per worker step, both ways, headers included. "
-             "Memory: the largest peak resident set (VmHWM) of a worker. Accuracy and loss: on "
-             f"20,000 held-out examples after {settings['quality_examples']:,} training "
-             "examples, points against one process at the same V. Commit "
+             "Memory: the largest peak resident set (VmHWM) of a worker, of a ps task. Accuracy"
+             f" and loss: on 20,000 held-out examples after {settings['quality_examples']:,} "
+             "training examples, points against one process at the same V (hard sync takes "
+             "one update per `workers` batches: after the same examples, that many times fewer"
+             " updates). Commit "
              f"{commit['sha'][:10]}{' (dirty tree)' if commit['dirty'] else ''}; "
              f"{machine['cpus']} cores, {machine['memory_bytes'] / 2**30:.0f} GiB."
              + _load_text(result), ""]
@@ -380,11 +382,12 @@ def embedding_section(result):
                          f"{rate['median'] / first['median']:.2f}x" if rate and first else "",
                          _spread(cell.get("bytes_per_worker_step"), digits=0),
                          _spread(cell.get("worker_peak_bytes"), mib, 0),
+                         _spread(cell.get("ps_peak_bytes"), mib, 0),
                          _spread(accuracy, digits=3) + points, _spread(cell.get("loss"),
                                                                       digits=3),
                          f"{errors} of {len(cell['runs'])}" if errors else ""])
     parts += [_table(["system", "workers", "ps", "V", "updates/s", "examples/s", "vs peer",
-                      "vs smallest V", "bytes / worker step", "worker peak MiB",
+                      "vs smallest V", "bytes / worker step", "worker peak MiB", "ps peak MiB",
                       "accuracy (points vs one process)", "loss", "failed runs"], rows), "",
               "![embedding](embedding.png)", ""]
     return parts

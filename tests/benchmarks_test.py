@@ -37,7 +37,8 @@ def _cell(system, label, workers, ps, rows, examples, memory, accuracy, runs=1, 
             "updates_per_second": _figure(examples / 256),
             "examples_per_second": _figure(examples, examples / 2, examples * 2),
             "bytes_per_worker_step": _figure(50000.0) if ps else None,
-            "worker_peak_bytes": _figure(memory * 2**20), "accuracy": _figure(accuracy),
+            "worker_peak_bytes": _figure(memory * 2**20),
+            "ps_peak_bytes": _figure(1536 * 2**20) if ps else None, "accuracy": _figure(accuracy),
             "loss": _figure(0.5),
             "runs": [{"error": "timed out" if i < errors else None} for i in range(runs)]}
 
@@ -117,8 +118,9 @@ class EmbeddingReportTest(tf.test.TestCase):
         self.assertEqual(cells[7], "0.50x")
         self.assertEqual(cells[8], "50,000")
         self.assertEqual(cells[9], "700")
-        self.assertEqual(cells[10], "0.800 (-1.0)")
-        self.assertEqual(cells[12], "1 of 3")
+        self.assertEqual(cells[10], "1,536")
+        self.assertEqual(cells[11], "0.800 (-1.0)")
+        self.assertEqual(cells[13], "1 of 3")
         self.assertIn("Commit 0123456789 (dirty tree)", text)
         self.assertIn("Load average (1 / 5 / 15 min) 1 / 1.5 / 2 at the start", text)
         self.assertIn("| 1,000,000 | 17,000,000 | 844 | 200,000 | 136,000,000 |", text)
