@@ -37,6 +37,7 @@ the load and the settings; `report.py` draws its table and plot.
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,7 @@ import time
 import embedding_job as job
 from absl import app
 from absl import flags
+from machine import available_memory_bytes
 from machine import load_note
 from machine import loopback_counters
 from machine import machine_note
@@ -73,6 +75,9 @@ flags.DEFINE_enum("embedding_tables", "auto", ["auto", "none"], "tfdist strategy
 flags.DEFINE_float("timeout", 1800.0, "Seconds each run may take.", lower_bound=1)
 flags.DEFINE_string("peer_python", None, "Python of an environment with tensorflow and "
                     "tf_keras 2.21 (see tf_keras_peer.py); None: no peer cells.")
+flags.DEFINE_float("min_available_memory_gib", 2.0, "A run is stopped (and recorded as "
+                   "failed) when the machine's available memory falls under this.",
+                   lower_bound=0)
 flags.DEFINE_bool("quick", False, "Quick size: V 100k and 1M, 2 workers, 1 ps, 1 repeat, "
                   "short windows (a few minutes; not for quoting).")
 flags.DEFINE_string("out", os.path.join("benchmarks", "results", "embedding"),
@@ -87,19 +92,31 @@ POLL_SECONDS = 0.5
 
 
 class PeakMemory:
-    """Polls the peak resident memory (VmHWM) of named processes while a run goes on."""
+    """Polls the peak resident memory (VmHWM) of named processes while a run goes on, and
+    stops the run (`stop()`) when the machine's available memory falls under
+    `--min_available_memory_gib`: the machine is shared, and a cell that would exhaust it
+    (tables mirrored on every worker at large V) is recorded as failed instead."""
 
-    def __init__(self, pids):
-        self._pids, self.peaks = pids, {}
+    def __init__(self, pids, stop):
+        self._pids, self._stop_run, self.peaks = pids, stop, {}
+        self.low_memory = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self):
+        floor = FLAGS.min_available_memory_gib * 2**30
         while True:
             for name, pid in self._pids().items():
                 peak = peak_resident_bytes(pid)
                 if peak is not None:
                     self.peaks[name] = max(peak, self.peaks.get(name, 0))
+            available = available_memory_bytes()
+            if available < floor and self.low_memory is None:
+                self.low_memory = (f"stopped: the machine's available memory fell to "
+                                   f"{available / 2**30:.1f} GiB (under "
+                                   f"--min_available_memory_gib="
+                                   f"{FLAGS.min_available_memory_gib:g})")
+                self._stop_run()
             if self._stop.wait(POLL_SECONDS):
                 return
 
@@ -110,6 +127,15 @@ class PeakMemory:
     def __exit__(self, *exc_info):
         self._stop.set()
         self._thread.join()
+
+
+def _kill_group(pid):
+    """Kills process `pid`, the leader of its own process group, and every process of the
+    group (a LocalCluster task, the peer and its servers)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _common_flags(rows):
@@ -138,7 +164,7 @@ def run_tfdist(system, rows, workers, num_ps):
             command.append("--one_process")
             process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.PIPE, text=True)
-            with PeakMemory(lambda: {"worker:0": process.pid}) as memory:
+            with PeakMemory(lambda: {"worker:0": process.pid}, process.kill) as memory:
                 try:
                     _, stderr = process.communicate(timeout=FLAGS.timeout)
                     error = f"exit {process.returncode}: {stderr[-400:]}" \
@@ -152,13 +178,18 @@ def run_tfdist(system, rows, workers, num_ps):
                         f"--embedding_tables={FLAGS.embedding_tables}"]
             with LocalCluster(command, num_ps=num_ps, num_workers=workers,
                               timeout=FLAGS.timeout, output=None) as cluster:
+                workers_of = [f"worker:{i}" for i in range(workers)]
+                # (killing the workers ends `wait()`, which tears the cluster down)
                 with PeakMemory(lambda: {name: cluster.pid(name)
-                                         for name in cluster.task_names}) as memory:
+                                         for name in cluster.task_names},
+                                lambda: [_kill_group(cluster.pid(name))
+                                         for name in workers_of]) as memory:
                     result = cluster.wait()
             error = None
             if result.returncode:
                 tail = " | ".join(line for _, line in cluster.lines[-5:])
                 error = f"{result.message}: {tail}"[:600]
+        error = memory.low_memory or error
         rate, quality = _read(out_dir, "rate.json"), _read(out_dir, "quality.json")
     if rate:
         rate["pushes_per_second"] = (rate["aggregated_gradients"]
@@ -181,14 +212,21 @@ def run_peer(rows, workers, num_ps):
             command = [FLAGS.peer_python, os.path.join(HERE, "embedding_peer.py"),
                        f"--out={out}", f"--num_workers={workers}", f"--num_ps={num_ps}",
                        f"--timeout={FLAGS.timeout}", *_common_flags(rows)]
-            try:
-                done = subprocess.run(command, capture_output=True, text=True, env=env,
-                                      timeout=FLAGS.timeout + 30,
-                                      preexec_fn=network.enter_in_child if network else None)
-            except subprocess.TimeoutExpired:
-                return {"error": f"timed out after {FLAGS.timeout + 30:g} s"}
-            if done.returncode or not os.path.exists(out):
-                return {"error": f"exit {done.returncode}: {done.stderr[-400:]}"}
+            # A session of its own: the peer's servers are killed with it, however it ends.
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, text=True, env=env,
+                                       start_new_session=True,
+                                       preexec_fn=network.enter_in_child if network else None)
+            with PeakMemory(dict, lambda: _kill_group(process.pid)) as memory:
+                try:
+                    _, stderr = process.communicate(timeout=FLAGS.timeout + 30)
+                except subprocess.TimeoutExpired:
+                    _kill_group(process.pid)
+                    process.communicate()
+                    return {"error": f"timed out after {FLAGS.timeout + 30:g} s"}
+            if memory.low_memory or process.returncode or not os.path.exists(out):
+                return {"error": memory.low_memory
+                        or f"exit {process.returncode}: {stderr[-400:]}"}
             with open(out) as f:
                 return json.load(f) | {"error": None}
     finally:

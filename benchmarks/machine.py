@@ -17,6 +17,13 @@ def machine_note():
     return {"cpus": os.cpu_count(), "memory_bytes": 1024 * total_kib}
 
 
+def available_memory_bytes():
+    """MemAvailable of /proc/meminfo: what can still be allocated without swapping."""
+    with open("/proc/meminfo") as f:
+        return 1024 * next(int(line.split()[1]) for line in f
+                           if line.startswith("MemAvailable:"))
+
+
 def peak_resident_bytes(pid):
     """The peak resident memory of process `pid` so far (VmHWM of /proc/<pid>/status), or
     None once the process is gone."""
