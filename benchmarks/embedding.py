@@ -27,7 +27,9 @@ by the pushes in it is the bytes of one worker step, both ways, TCP/IP headers i
 private namespace can be made, the bytes are not measured (null) and only the documented
 estimates below stand. Each process's peak resident memory is VmHWM of /proc/<pid>/status,
 polled by this launcher (tfdist, one process) or read by the peer's coordinator before it
-stops its servers. The load average is recorded before and after each run. Runs are repeated
+stops its servers; a run is stopped, and recorded as failed, when the machine's available
+memory falls under `--min_available_memory_gib` (tables mirrored on every worker grow each
+worker with V). The load average is recorded before and after each run. Runs are repeated
 `--repeats` times, interleaved (every cell once, then again), and each figure is kept as
 median, min and max.
 

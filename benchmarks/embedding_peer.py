@@ -12,8 +12,9 @@ worker and one update of the ps variables. Two phases, as `embedding_worker.py`:
 1. quality: `--quality_examples` examples (one epoch of that many steps), then the
    coordinator evaluates the trained weights on the test examples (a copy of the model
    outside the strategy);
-2. rate: fit on, the optimizer's step count read by the coordinator before and after the
-   window (`tf_keras_peer.fit_and_measure`); the loopback bytes of this process's network
+2. rate: fit on, in epochs of 1,000 x `steps_per_execution` steps, the optimizer's step
+   count read by the coordinator before and after the window
+   (`tf_keras_peer.fit_and_measure`); the loopback bytes of this process's network
    namespace over the same window; then each server's peak resident memory.
 
 Writes every figure to `--out` (JSON).
@@ -82,8 +83,9 @@ def _coordinate(cluster, servers):
     def loopback_bytes():
         return {"loopback_tx_bytes": loopback_counters()["loopback_tx_bytes"]}
 
+    # A long epoch, as a user after throughput sets it: no wait for every step in the window.
     rate = tf_keras_peer.fit_and_measure(tf_keras, model, data, FLAGS.steps_per_execution,
-                                         loopback_bytes)
+                                         loopback_bytes, 1000 * FLAGS.steps_per_execution)
     peaks = {name: peak_resident_bytes(server.pid) for name, server in servers.items()}
     return {"rate": rate | {"pushes_per_second": rate["updates_per_second"]},
             "quality": {"loss": float(loss), "accuracy": float(accuracy),

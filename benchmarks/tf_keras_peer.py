@@ -75,11 +75,14 @@ def coordinator_strategy(cluster, variable_partitioner=None):
         resolver, variable_partitioner=variable_partitioner)
 
 
-def fit_and_measure(tf_keras, model, data, steps_per_execution, counters=dict):
+def fit_and_measure(tf_keras, model, data, steps_per_execution, counters=dict,
+                    steps_per_epoch=None):
     """Fits `model` on `data` (a `DatasetCreator`) until the coordinator has counted the
     optimizer's steps over `--window` seconds after `--warmup`; returns
     `{"updates_per_second": ...}`, and for each of `counters()` (more counters read at both
-    ends of the window) its change per second as `<name>_per_second`."""
+    ends of the window) its change per second as `<name>_per_second`. An epoch is
+    `steps_per_epoch` steps (default 20 x `steps_per_execution`): its end waits for every
+    scheduled step; training stops at the first step after the window either way."""
     result = {}
 
     def measure():
@@ -100,8 +103,8 @@ def fit_and_measure(tf_keras, model, data, steps_per_execution, counters=dict):
                 self.model.stop_training = True
 
     threading.Thread(target=measure, daemon=True).start()
-    model.fit(data, epochs=100000, steps_per_epoch=20 * steps_per_execution, verbose=0,
-              callbacks=[Stop()])
+    model.fit(data, epochs=100000, steps_per_epoch=steps_per_epoch or 20 * steps_per_execution,
+              verbose=0, callbacks=[Stop()])
     return result
 
 
