@@ -89,25 +89,30 @@ def _progress(strategy, pace):
             "staleness_max": 0, "staleness_mean": 0.0}
 
 
-def _measure(strategy, pace, out_dir):
+def _measure(strategy, pace, out_dir, counters=dict):
     """On the chief: global steps per second over the window, which starts `warmup` seconds
     after the chief's 20th step (start-up, the runs' first traces and, for gossip, the
     couriers' start do not count: an SGP worker's first messages wait for its peers'
-    couriers, which it meets at step 1 + max_delay)."""
+    couriers, which it meets at step 1 + max_delay).
+
+    `counters()` returns more counters `{name: number}` (bytes on a link, ...): their
+    changes over the window go into rate.json as `<name>_per_second`."""
     deadline = time.monotonic() + FLAGS.startup_timeout
     while pace.steps < 20 and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(FLAGS.warmup)
-    before = _progress(strategy, pace)
+    before, more_before = _progress(strategy, pace), counters()
     start = time.monotonic()
     time.sleep(FLAGS.window)
-    after = _progress(strategy, pace)
+    after, more_after = _progress(strategy, pace), counters()
     elapsed = time.monotonic() - start
     figures = ({name: (after[name] - before[name]) / elapsed for name in
                 ("global_step", "dropped_gradients", "aggregated_gradients")}
                | {"updates_per_second": (after["global_step"] - before["global_step"])
                   / elapsed, "staleness_max": after["staleness_max"],
-                  "staleness_mean": after["staleness_mean"]})
+                  "staleness_mean": after["staleness_mean"]}
+               | {f"{name}_per_second": (more_after[name] - value) / elapsed
+                  for name, value in more_before.items()})
     if hasattr(strategy, "placement"):
         figures["placement"] = strategy.placement()
     elif isinstance(strategy, tfdist.strategies.StochasticGradientPushStrategy):

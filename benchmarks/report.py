@@ -5,8 +5,8 @@
     python benchmarks/report.py --reuse    # rebuild the report from the JSON already there
 
 Writes into --out_dir: rates.json, straggler.{json,png}, quality.{json,png}, scaling.json,
-capacity.{json,png}, compression.{json,png} and report.md, which shows the tables and plots
-side by side with the TF built-ins measured in the same run (where they run).
+capacity.{json,png}, compression.{json,png}, embedding.{json,png} and report.md, which shows
+the tables and plots side by side with the TF built-ins measured in the same run (where they run).
 """
 
 import json
@@ -31,8 +31,8 @@ flags.DEFINE_float("bandwidth_gbit", 10.0, "Network bandwidth of the capacity pr
 flags.DEFINE_float("latency_us", 50.0, "Network latency of the capacity projection.")
 flags.DEFINE_float("run_timeout", 3600.0, "Seconds each benchmark may take.")
 flags.DEFINE_string("peer_python", None, "Python of an environment with tensorflow and "
-                    "tf_keras, for the rates table's ParameterServerStrategy rows "
-                    "(benchmarks/tf_keras_peer.py).")
+                    "tf_keras, for the ParameterServerStrategy rows of the rates and "
+                    "embedding tables (benchmarks/tf_keras_peer.py).")
 
 
 def _path(name):
@@ -51,7 +51,7 @@ def _load(name):
 
 
 RESULTS = ("rates.json", "straggler.json", "quality.json", "scaling.json", "compression.json",
-           "network.json")
+           "network.json", "embedding.json")
 MEASURED = set()  # what this run measured
 
 
@@ -310,6 +310,124 @@ def rates_section(rates):
     return parts
 
 
+def _spread(figure, scale=1.0, digits=1):
+    """"median (min-max)" of a summarized figure, or "" when no run gave it."""
+    if not figure:
+        return ""
+    median, low, high = (scale * figure[k] for k in ("median", "min", "max"))
+    if low == high:
+        return f"{median:,.{digits}f}"
+    return f"{median:,.{digits}f} ({low:,.{digits}f}-{high:,.{digits}f})"
+
+
+def _embedding_series(result):
+    """`{(label, workers, ps): [cells by V]}` of `embedding.json`."""
+    series = {}
+    for cell in result["cells"]:
+        series.setdefault((cell["label"], cell["workers"], cell["ps"]), []).append(cell)
+    return {key: sorted(cells, key=lambda c: c["rows"]) for key, cells in series.items()}
+
+
+def embedding_section(result):
+    """Tables on the ps (`benchmarks/embedding.py`): rate, bytes, memory and accuracy of
+    every system against V."""
+    settings, commit, machine = result["settings"], result["commit"], result["machine"]
+    mib = 1 / 2**20
+    parts = ["## Embedding tables: a recommendation job against V", "",
+             f"`benchmarks/embedding.py`: {settings['job']} Batch {settings['batch_size']} per "
+             f"worker step, steps_per_execution {settings['steps_per_execution']} for every "
+             f"system; tfdist `embedding_tables={settings['embedding_tables']}` where the "
+             "strategy takes it (else every worker mirrors every table). Median (min-max) of "
+             f"{settings['repeats']} interleaved runs, {settings['window']:g} s windows after "
+             f"{settings['warmup']:g} s; an update is one change of the ps variables (hard sync:"
+             " one per `workers` pushes); examples/s = pushes x batch. Bytes: the cluster's "
+             "private loopback over the window per worker step, both ways, headers included. "
+             "Memory: the largest peak resident set (VmHWM) of a worker, of a ps task. Accuracy"
+             f" and loss: on 20,000 held-out examples after {settings['quality_examples']:,} "
+             "training examples, points against one process at the same V (hard sync takes "
+             "one update per `workers` batches: after the same examples, that many times fewer"
+             " updates). Commit "
+             f"{commit['sha'][:10]}{' (dirty tree)' if commit['dirty'] else ''}; "
+             f"{machine['cpus']} cores, {machine['memory_bytes'] / 2**30:.0f} GiB."
+             + _load_text(result), ""]
+    rows = [[f"{int(v):,}", f"{e['parameters']:,}",
+             f"{sum(e['unique_rows_per_batch'].values()):,.0f}",
+             f"{e['rows_only_bytes_per_worker_step']:,.0f}",
+             f"{e['whole_model_bytes_per_worker_step']:,.0f}"]
+            for v, e in result["estimates"].items()]
+    parts += ["Estimates (payload only) of one worker step's bytes: rows only (the rows a batch "
+              "touches read, their gradients and ids pushed, the dense part both ways) and the"
+              " whole model both ways:", "",
+              _table(["V", "parameters", "distinct rows / batch", "rows only (bytes)",
+                      "whole model (bytes)"], rows), ""]
+    series = _embedding_series(result)
+    one = {c["rows"]: c for c in result["cells"] if c["system"] == "one_process"}
+    peers = {(c["workers"], c["ps"], c["rows"]): c for c in result["cells"]
+             if c["system"] == "peer"}
+    rows = []
+    for (label, workers, num_ps), cells in series.items():
+        first = cells[0].get("examples_per_second")
+        for cell in cells:
+            rate = cell.get("examples_per_second")
+            peer = peers.get((workers, num_ps, cell["rows"]), {}).get("examples_per_second")
+            errors = sum(1 for run in cell["runs"] if run.get("error"))
+            accuracy = cell.get("accuracy")
+            base = one.get(cell["rows"], {}).get("accuracy")
+            points = (f" ({100 * (accuracy['median'] - base['median']):+.1f})"
+                      if accuracy and base and cell["system"] != "one_process" else "")
+            rows.append([label, workers, num_ps or "", f"{cell['rows']:,}",
+                         _spread(cell.get("updates_per_second")), _spread(rate, digits=0),
+                         f"{rate['median'] / peer['median']:.2f}x"
+                         if rate and peer and cell["system"] != "peer" else "",
+                         f"{rate['median'] / first['median']:.2f}x" if rate and first else "",
+                         _spread(cell.get("bytes_per_worker_step"), digits=0),
+                         _spread(cell.get("worker_peak_bytes"), mib, 0),
+                         _spread(cell.get("ps_peak_bytes"), mib, 0),
+                         _spread(accuracy, digits=3) + points, _spread(cell.get("loss"),
+                                                                      digits=3),
+                         f"{errors} of {len(cell['runs'])}" if errors else ""])
+    parts += [_table(["system", "workers", "ps", "V", "updates/s", "examples/s", "vs peer",
+                      "vs smallest V", "bytes / worker step", "worker peak MiB", "ps peak MiB",
+                      "accuracy (points vs one process)", "loss", "failed runs"], rows), "",
+              "![embedding](embedding.png)", ""]
+    return parts
+
+
+def plot_embedding(result, path):
+    """Examples per second and a worker's peak memory against V (log x), one line per
+    system, workers and ps; bars from min to max."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (rate_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    for (label, workers, num_ps), cells in _embedding_series(result).items():
+        name = label if label.startswith("one process") else f"{label}, {workers} w, {num_ps} ps"
+        for ax, key, scale in ((rate_ax, "examples_per_second", 1.0),
+                               (memory_ax, "worker_peak_bytes", 1 / 2**20)):
+            points = [(c["rows"], c[key]) for c in cells if c.get(key)]
+            if not points:
+                continue
+            x = [v for v, _ in points]
+            y = [scale * f["median"] for _, f in points]
+            error = [[scale * (f["median"] - f["min"]) for _, f in points],
+                     [scale * (f["max"] - f["median"]) for _, f in points]]
+            ax.errorbar(x, y, yerr=error, marker="o", capsize=3, label=name)
+    for ax, ylabel in ((rate_ax, "examples / s (all workers)"),
+                       (memory_ax, "peak resident memory of a worker (MiB)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("V (rows of the large table)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+    rate_ax.set_yscale("log")
+    rate_ax.legend(fontsize=7)
+    fig.suptitle("Embedding tables: rate and worker memory against V")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def _load_text(results):
     """The load average a benchmark recorded, for its section's header."""
     if "load_before" not in results:
@@ -449,6 +567,10 @@ def write_report(straggler, quality, scaling, capacity_result, compression, rate
         parts += network_section(_load("network.json"))
     if os.path.exists(_path("network_sgp.json")):
         parts += sgp_network_section(_load("network_sgp.json"))
+    if os.path.exists(_path("embedding.json")):
+        embedding = _load("embedding.json")
+        plot_embedding(embedding, _path("embedding.png"))
+        parts += embedding_section(embedding)
     with open(_path("report.md"), "w") as f:
         f.write("\n".join(parts))
 
@@ -482,6 +604,9 @@ def main(argv):
              *([] if FLAGS.full else ["--compressors=none,fp16,topk,powersgd", "--workers=2",
                                       "--bandwidths=100mbit", "--epochs=3",
                                       "--timing_steps=10", "--nowithout_error_feedback"]))
+    if _needed("embedding.json"):
+        _run("embedding.py", f"--out={_path('embedding')}", *([] if FLAGS.full else ["--quick"]),
+             *([f"--peer_python={FLAGS.peer_python}"] if FLAGS.peer_python else []))
     compression = _load("compression.json")
     topk = compression["exchange"]["compressors"].get("topk")
     scaling = _load("scaling.json")

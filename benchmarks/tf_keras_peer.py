@@ -16,6 +16,7 @@ seconds after `--warmup`. Writes `{"updates_per_second": ...}` to `--out`. Every
 process is started with a deadline and killed at the end, however the run ends.
 """
 
+import contextlib
 import json
 import os
 import socket
@@ -64,14 +65,55 @@ def _serve(cluster, job, index):
     server.join()
 
 
+def coordinator_strategy(cluster, variable_partitioner=None):
+    """TF's `ParameterServerStrategy`, coordinated from this process (the cluster's chief)."""
+    import tensorflow as tf
+
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc")
+    return tf.distribute.experimental.ParameterServerStrategy(
+        resolver, variable_partitioner=variable_partitioner)
+
+
+def fit_and_measure(tf_keras, model, data, steps_per_execution, counters=dict,
+                    steps_per_epoch=None):
+    """Fits `model` on `data` (a `DatasetCreator`) until the coordinator has counted the
+    optimizer's steps over `--window` seconds after `--warmup`; returns
+    `{"updates_per_second": ...}`, and for each of `counters()` (more counters read at both
+    ends of the window) its change per second as `<name>_per_second`. An epoch is
+    `steps_per_epoch` steps (default 20 x `steps_per_execution`): its end waits for every
+    scheduled step; training stops at the first step after the window either way."""
+    result = {}
+
+    def measure():
+        time.sleep(FLAGS.warmup)
+        before, more_before = int(model.optimizer.iterations.numpy()), counters()
+        start = time.monotonic()
+        time.sleep(FLAGS.window)
+        after, more_after = int(model.optimizer.iterations.numpy()), counters()
+        elapsed = time.monotonic() - start
+        result.update({f"{name}_per_second": (more_after[name] - value) / elapsed
+                       for name, value in more_before.items()})
+        result["updates_per_second"] = (after - before) / elapsed
+        model.stop_training = True
+
+    class Stop(tf_keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if "updates_per_second" in result:
+                self.model.stop_training = True
+
+    threading.Thread(target=measure, daemon=True).start()
+    model.fit(data, epochs=100000, steps_per_epoch=steps_per_epoch or 20 * steps_per_execution,
+              verbose=0, callbacks=[Stop()])
+    return result
+
+
 def _coordinate(cluster):
     import tensorflow as tf
     import tf_keras
     from sklearn.datasets import load_digits
 
-    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc")
-    strategy = tf.distribute.experimental.ParameterServerStrategy(resolver)
+    strategy = coordinator_strategy(cluster)
     x, y = load_digits(return_X_y=True)
     x, y = (x / 16.0).astype("float32"), y.astype("int32")
 
@@ -87,27 +129,51 @@ def _coordinate(cluster):
         model.compile(optimizer=tf_keras.optimizers.SGD(0.05),
                       loss="sparse_categorical_crossentropy",
                       steps_per_execution=FLAGS.steps_per_execution)
-    result = {}
-
-    def measure():
-        time.sleep(FLAGS.warmup)
-        before, start = int(model.optimizer.iterations.numpy()), time.monotonic()
-        time.sleep(FLAGS.window)
-        after, elapsed = int(model.optimizer.iterations.numpy()), time.monotonic() - start
-        result["updates_per_second"] = (after - before) / elapsed
-        model.stop_training = True
-
-    class Stop(tf_keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            if "updates_per_second" in result:
-                self.model.stop_training = True
-
-    threading.Thread(target=measure, daemon=True).start()
-    model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=100000,
-              steps_per_epoch=20 * FLAGS.steps_per_execution, verbose=0, callbacks=[Stop()])
+    result = fit_and_measure(tf_keras, model,
+                             tf_keras.utils.experimental.DatasetCreator(dataset_fn),
+                             FLAGS.steps_per_execution)
     return {**result, "steps_per_execution": FLAGS.steps_per_execution,
             "num_workers": FLAGS.num_workers, "num_ps": FLAGS.num_ps,
             "tensorflow": tf.__version__, "tf_keras": tf_keras.__version__}
+
+
+@contextlib.contextmanager
+def local_cluster(num_workers, num_ps, timeout):
+    """A cluster of this machine for a coordinator in this process: yields `(cluster,
+    servers)`, the cluster as a dict of addresses and `{"worker:0": process, ...}`, one
+    server process per task. Every server is killed on leaving the block, and this whole
+    process ends (exit 124) after `timeout` seconds, however the run goes."""
+    ports = _free_ports(1 + num_workers + num_ps)
+    cluster = {"chief": [f"localhost:{ports[0]}"],
+               "worker": [f"localhost:{p}" for p in ports[1:1 + num_workers]],
+               "ps": [f"localhost:{p}" for p in ports[1 + num_workers:]]}
+    servers = {}
+
+    def stop_servers():
+        for server in servers.values():
+            server.kill()
+        for server in servers.values():
+            server.wait()
+
+    def give_up():
+        print(f"tf_keras_peer: timed out after {timeout:g} s", file=sys.stderr, flush=True)
+        stop_servers()
+        os._exit(124)
+
+    timer = threading.Timer(timeout, give_up)
+    timer.daemon = True
+    timer.start()
+    try:
+        for job in ("ps", "worker"):
+            for index in range(len(cluster[job])):
+                servers[f"{job}:{index}"] = subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), f"--serve={job}:{index}",
+                     f"--cluster={json.dumps(cluster)}"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        yield cluster, servers
+    finally:
+        timer.cancel()
+        stop_servers()
 
 
 def main(argv):
@@ -116,40 +182,10 @@ def main(argv):
         job, index = FLAGS.serve.split(":")
         _serve(json.loads(FLAGS.cluster), job, int(index))
         return
-    ports = _free_ports(1 + FLAGS.num_workers + FLAGS.num_ps)
-    cluster = {"chief": [f"localhost:{ports[0]}"],
-               "worker": [f"localhost:{p}" for p in ports[1:1 + FLAGS.num_workers]],
-               "ps": [f"localhost:{p}" for p in ports[1 + FLAGS.num_workers:]]}
-    servers = []
-
-    def stop_servers():
-        for server in servers:
-            server.kill()
-        for server in servers:
-            server.wait()
-
-    def give_up():
-        print(f"tf_keras_peer: timed out after {FLAGS.timeout:g} s", file=sys.stderr,
-              flush=True)
-        stop_servers()
-        os._exit(124)
-
-    timer = threading.Timer(FLAGS.timeout, give_up)
-    timer.daemon = True
-    timer.start()
-    try:
-        for job in ("ps", "worker"):
-            for index in range(len(cluster[job])):
-                servers.append(subprocess.Popen(
-                    [sys.executable, __file__, f"--serve={job}:{index}",
-                     f"--cluster={json.dumps(cluster)}"],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    with local_cluster(FLAGS.num_workers, FLAGS.num_ps, FLAGS.timeout) as (cluster, _):
         result = _coordinate(cluster)
         with open(FLAGS.out, "w") as f:
             json.dump(result, f)
-    finally:
-        timer.cancel()
-        stop_servers()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The capacity model of benchmarks/capacity.py against closed forms; the compression
-benchmark end to end at its smallest settings."""
+"""The capacity model of benchmarks/capacity.py against closed forms; report.py's embedding
+table and plot on a small fixture; the compression benchmark end to end at its smallest
+settings."""
 
 import importlib.util
 import json
@@ -12,9 +13,61 @@ import tensorflow as tf
 
 _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
                      "capacity.py")
-_spec = importlib.util.spec_from_file_location("capacity", _PATH)
-capacity = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(capacity)
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(_PATH),
+                                                                     f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+capacity = _load("capacity")
+report = _load("report")
+
+
+def _figure(median, low=None, high=None):
+    return {"median": median, "min": median if low is None else low,
+            "max": median if high is None else high}
+
+
+def _cell(system, label, workers, ps, rows, examples, memory, accuracy, runs=1, errors=0):
+    return {"system": system, "label": label, "workers": workers, "ps": ps, "rows": rows,
+            "updates_per_second": _figure(examples / 256),
+            "examples_per_second": _figure(examples, examples / 2, examples * 2),
+            "bytes_per_worker_step": _figure(50000.0) if ps else None,
+            "worker_peak_bytes": _figure(memory * 2**20),
+            "ps_peak_bytes": _figure(1536 * 2**20) if ps else None, "accuracy": _figure(accuracy),
+            "loss": _figure(0.5),
+            "runs": [{"error": "timed out" if i < errors else None} for i in range(runs)]}
+
+
+def _embedding_fixture():
+    """A small `embedding.json`: two V, tfdist async and the peer at 2 workers and 1 ps,
+    one process; one failed run."""
+    cells = []
+    for rows, scale in ((100000, 1.0), (1000000, 0.5)):
+        cells += [_cell("async", "tfdist async", 2, 1, rows, 25600 * scale, 700, 0.80, 3,
+                        errors=int(rows == 1000000)),
+                  _cell("peer", "tf_keras ParameterServerStrategy", 2, 1, rows, 12800, 650,
+                        0.78, 3),
+                  _cell("one_process", "one process (Keras 3)", 1, 0, rows, 6400, 900, 0.81,
+                        3)]
+    return json.loads(json.dumps({
+        "commit": {"sha": "0123456789abcdef", "dirty": True},
+        "machine": {"cpus": 2, "memory_bytes": 24 * 2**30},
+        "load_before": {"load_average_1_5_15": [1.0, 1.5, 2.0], "cpus": 2},
+        "load_after": {"load_average_1_5_15": [2.0, 1.5, 1.0], "cpus": 2},
+        "settings": {"job": "Generated job.", "batch_size": 256, "steps_per_execution": 10,
+                     "embedding_tables": "auto", "repeats": 3, "window": 20.0, "warmup": 5.0,
+                     "quality_examples": 51200},
+        "estimates": {str(rows): {"parameters": 17 * rows, "unique_rows_per_batch":
+                                  {"items": 400.0, "categories": 230.0, "context": 214.0},
+                                  "rows_only_bytes_per_worker_step": 200000.0,
+                                  "whole_model_bytes_per_worker_step": 8.0 * 17 * rows}
+                      for rows in (100000, 1000000)},
+        "cells": cells}))
 
 
 class CapacityModelTest(tf.test.TestCase):
@@ -48,6 +101,36 @@ class CapacityModelTest(tf.test.TestCase):
         rows = model.projections([8, 64])
         self.assertLess(rows[0]["ps_hard_sync_s"], rows[1]["ps_hard_sync_s"])
         self.assertLess(rows[1]["ps_soft_sync_0.9_s"], rows[1]["ps_hard_sync_s"])
+
+
+class EmbeddingReportTest(tf.test.TestCase):
+
+    def test_table_compares_each_cell_with_the_peer_its_smallest_v_and_one_process(self):
+        text = "\n".join(report.embedding_section(_embedding_fixture()))
+        rows = [line for line in text.splitlines() if line.startswith("| tfdist async")]
+        self.assertLen(rows, 2)
+        cells = [c.strip() for c in rows[1].split("|")[1:-1]]
+        # V, examples/s with its spread, against the peer and the smallest V, bytes, memory,
+        # accuracy against one process, failed runs.
+        self.assertEqual(cells[3], "1,000,000")
+        self.assertEqual(cells[5], "12,800 (6,400-25,600)")
+        self.assertEqual(cells[6], "1.00x")
+        self.assertEqual(cells[7], "0.50x")
+        self.assertEqual(cells[8], "50,000")
+        self.assertEqual(cells[9], "700")
+        self.assertEqual(cells[10], "1,536")
+        self.assertEqual(cells[11], "0.800 (-1.0)")
+        self.assertEqual(cells[13], "1 of 3")
+        self.assertIn("Commit 0123456789 (dirty tree)", text)
+        self.assertIn("Load average (1 / 5 / 15 min) 1 / 1.5 / 2 at the start", text)
+        self.assertIn("| 1,000,000 | 17,000,000 | 844 | 200,000 | 136,000,000 |", text)
+        peer = next(line for line in text.splitlines() if line.startswith("| tf_keras"))
+        self.assertNotIn("x |", peer.split("|")[7])  # no ratio of the peer to itself
+
+    def test_plot_is_written(self):
+        path = os.path.join(self.get_temp_dir(), "embedding.png")
+        report.plot_embedding(_embedding_fixture(), path)
+        self.assertGreater(os.path.getsize(path), 1000)
 
 
 class CompressionBenchmarkTest(tf.test.TestCase):

@@ -1,0 +1,365 @@
+"""Parameter servers on the workload they exist for: a recommendation job with large embedding
+tables (issue 21), against tf_keras `fit` under TF's `ParameterServerStrategy` and one process.
+
+    python benchmarks/embedding.py --peer_python=<peer env>/bin/python    # full, hours
+    python benchmarks/embedding.py --quick --peer_python=...               # a few minutes
+
+The job (`embedding_job.py`): 8 Zipf-distributed ids per example in three tables (V, V / 10
+and 1,000 rows, 16 wide), a dense tower (concat, Dense 64, Dense 1 sigmoid), Adagrad, batch
+`--batch_size` per worker, labels that depend on the ids. Cells, for every V of `--rows`:
+
+* tfdist `AsyncStrategy` and `SoftSyncStrategy` (hard sync) at each of `--workers` workers and
+  `--ps` ps tasks (`embedding_worker.py` on a `LocalCluster`), with the strategy argument
+  `embedding_tables=--embedding_tables` where the strategy takes it (tfdist after issue 21;
+  before, every worker mirrors every table: the only behaviour there is);
+* tf_keras 2.21 `fit` under TF's `ParameterServerStrategy`, same workers and ps, in the
+  peer's own environment (`--peer_python`, see `tf_keras_peer.py`; `embedding_peer.py`);
+* one process, Keras 3 `fit` with no strategy.
+
+Every run first trains `--quality_examples` examples in all and evaluates (loss, accuracy on
+20,000 held-out examples: the same for every cell of a V), then measures over `--window` s
+after `--warmup` s: updates per second (one update of the ps variables: a push for async and
+the peer, `workers` pushes for hard sync), examples per second (pushes x batch), and the
+bytes a worker step costs the network: the cluster runs in a private network namespace whose
+loopback carries only its traffic, and the transmit counter's change over the window divided
+by the pushes in it is the bytes of one worker step, both ways, TCP/IP headers included
+(measured, not from tfdist's logs: without compression they carry no byte counts). Where no
+private namespace can be made, the bytes are not measured (null) and only the documented
+estimates below stand. Each process's peak resident memory is VmHWM of /proc/<pid>/status,
+polled by this launcher (tfdist, one process) or read by the peer's coordinator before it
+stops its servers; a run is stopped, and recorded as failed, when the machine's available
+memory falls under `--min_available_memory_gib` (tables mirrored on every worker grow each
+worker with V). The load average is recorded before and after each run. Runs are repeated
+`--repeats` times, interleaved (every cell once, then again), and each figure is kept as
+median, min and max.
+
+Writes `--out`.json, stamped with the commit (and whether the tree was dirty), the machine,
+the load and the settings; `report.py` draws its table and plot.
+"""
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import embedding_job as job
+from absl import app
+from absl import flags
+from machine import available_memory_bytes
+from machine import load_note
+from machine import loopback_counters
+from machine import machine_note
+from machine import peak_resident_bytes
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("rows", ["100000", "1000000", "10000000"], "V: rows of the large table.")
+flags.DEFINE_list("workers", ["2", "4"], "Worker counts of the distributed cells.")
+flags.DEFINE_list("ps", ["1", "2"], "Ps task counts of the distributed cells.")
+flags.DEFINE_list("systems", ["async", "hard_sync", "peer", "one_process"],
+                  "Which systems run: async, hard_sync, peer (needs --peer_python), "
+                  "one_process.")
+flags.DEFINE_integer("repeats", 3, "Runs of each cell, interleaved.", lower_bound=1)
+flags.DEFINE_float("warmup", 5.0, "Seconds of training before each window.", lower_bound=0)
+flags.DEFINE_float("window", 20.0, "Seconds of each measurement window.", lower_bound=1)
+flags.DEFINE_integer("quality_examples", 51200, "Examples trained (all workers) before the "
+                     "evaluation of each run.", lower_bound=256)
+flags.DEFINE_integer("batch_size", 256, "Batch per worker step.", lower_bound=1)
+flags.DEFINE_integer("steps_per_execution", 10, "Keras `steps_per_execution` of every "
+                     "system.", lower_bound=1)
+flags.DEFINE_enum("embedding_tables", "auto", ["auto", "none"], "tfdist strategy argument "
+                  "`embedding_tables` where the strategy takes it: auto (tables on the ps "
+                  "only) or none (every worker mirrors them).")
+flags.DEFINE_float("timeout", 1800.0, "Seconds each run may take.", lower_bound=1)
+flags.DEFINE_string("peer_python", None, "Python of an environment with tensorflow and "
+                    "tf_keras 2.21 (see tf_keras_peer.py); None: no peer cells.")
+flags.DEFINE_float("min_available_memory_gib", 2.0, "A run is stopped (and recorded as "
+                   "failed) when the machine's available memory falls under this.",
+                   lower_bound=0)
+flags.DEFINE_bool("quick", False, "Quick size: V 100k and 1M, 2 workers, 1 ps, 1 repeat, "
+                  "short windows (a few minutes; not for quoting).")
+flags.DEFINE_string("out", os.path.join("benchmarks", "results", "embedding"),
+                    "Output path without extension.")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+SYSTEMS = {"async": "tfdist async", "hard_sync": "tfdist hard sync",
+           "peer": "tf_keras ParameterServerStrategy", "one_process": "one process (Keras 3)"}
+TRAIN_EXAMPLES = 262144
+POLL_SECONDS = 0.5
+
+
+class PeakMemory:
+    """Polls the peak resident memory (VmHWM) of named processes while a run goes on, and
+    stops the run (`stop()`) when the machine's available memory falls under
+    `--min_available_memory_gib`: the machine is shared, and a cell that would exhaust it
+    (tables mirrored on every worker at large V) is recorded as failed instead."""
+
+    def __init__(self, pids, stop):
+        self._pids, self._stop_run, self.peaks = pids, stop, {}
+        self.low_memory = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self):
+        floor = FLAGS.min_available_memory_gib * 2**30
+        while True:
+            for name, pid in self._pids().items():
+                peak = peak_resident_bytes(pid)
+                if peak is not None:
+                    self.peaks[name] = max(peak, self.peaks.get(name, 0))
+            available = available_memory_bytes()
+            if available < floor and self.low_memory is None:
+                self.low_memory = (f"stopped: the machine's available memory fell to "
+                                   f"{available / 2**30:.1f} GiB (under "
+                                   f"--min_available_memory_gib="
+                                   f"{FLAGS.min_available_memory_gib:g})")
+                self._stop_run()
+            if self._stop.wait(POLL_SECONDS):
+                return
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info):
+        self._stop.set()
+        self._thread.join()
+
+
+def _kill_group(pid):
+    """Kills process `pid`, the leader of its own process group, and every process of the
+    group (a LocalCluster task, the peer and its servers)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _common_flags(rows):
+    return [f"--rows={rows}", f"--quality_examples={FLAGS.quality_examples}",
+            f"--train_examples={TRAIN_EXAMPLES}", f"--batch_size={FLAGS.batch_size}",
+            f"--steps_per_execution={FLAGS.steps_per_execution}", f"--warmup={FLAGS.warmup}",
+            f"--window={FLAGS.window}"]
+
+
+def _read(out_dir, name):
+    path = os.path.join(out_dir, name)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def run_tfdist(system, rows, workers, num_ps):
+    """One run of `embedding_worker.py`: on a `LocalCluster`, or alone for one process."""
+    from tfdist.launch import LocalCluster
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        command = [sys.executable, os.path.join(HERE, "embedding_worker.py"),
+                   f"--out_dir={out_dir}", *_common_flags(rows)]
+        if system == "one_process":
+            command.append("--one_process")
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, text=True)
+            with PeakMemory(lambda: {"worker:0": process.pid}, process.kill) as memory:
+                try:
+                    _, stderr = process.communicate(timeout=FLAGS.timeout)
+                    error = f"exit {process.returncode}: {stderr[-400:]}" \
+                        if process.returncode else None
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.communicate()
+                    error = f"timed out after {FLAGS.timeout:g} s"
+        else:
+            command += [f"--strategy={'async' if system == 'async' else 'soft_sync'}",
+                        f"--embedding_tables={FLAGS.embedding_tables}"]
+            with LocalCluster(command, num_ps=num_ps, num_workers=workers,
+                              timeout=FLAGS.timeout, output=None) as cluster:
+                workers_of = [f"worker:{i}" for i in range(workers)]
+                # (killing the workers ends `wait()`, which tears the cluster down)
+                with PeakMemory(lambda: {name: cluster.pid(name)
+                                         for name in cluster.task_names},
+                                lambda: [_kill_group(cluster.pid(name))
+                                         for name in workers_of]) as memory:
+                    result = cluster.wait()
+            error = None
+            if result.returncode:
+                tail = " | ".join(line for _, line in cluster.lines[-5:])
+                error = f"{result.message}: {tail}"[:600]
+        error = memory.low_memory or error
+        rate, quality = _read(out_dir, "rate.json"), _read(out_dir, "quality.json")
+    if rate:
+        rate["pushes_per_second"] = (rate["aggregated_gradients"]
+                                     + rate["dropped_gradients"])
+    return {"rate": rate, "quality": quality, "peak_resident_bytes": memory.peaks,
+            "error": error if error or not rate else None}
+
+
+def run_peer(rows, workers, num_ps):
+    """One run of `embedding_peer.py` in the peer's environment, in a private network (its
+    loopback counter is then the run's own traffic)."""
+    from tfdist.launch.isolation import private_network
+
+    network = private_network()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    try:
+        with tempfile.TemporaryDirectory() as out_dir:
+            out = os.path.join(out_dir, "peer.json")
+            command = [FLAGS.peer_python, os.path.join(HERE, "embedding_peer.py"),
+                       f"--out={out}", f"--num_workers={workers}", f"--num_ps={num_ps}",
+                       f"--timeout={FLAGS.timeout}", *_common_flags(rows)]
+            # A session of its own: the peer's servers are killed with it, however it ends.
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, text=True, env=env,
+                                       start_new_session=True,
+                                       preexec_fn=network.enter_in_child if network else None)
+            with PeakMemory(dict, lambda: _kill_group(process.pid)) as memory:
+                try:
+                    _, stderr = process.communicate(timeout=FLAGS.timeout + 30)
+                except subprocess.TimeoutExpired:
+                    _kill_group(process.pid)
+                    process.communicate()
+                    return {"error": f"timed out after {FLAGS.timeout + 30:g} s"}
+            if memory.low_memory or process.returncode or not os.path.exists(out):
+                return {"error": memory.low_memory
+                        or f"exit {process.returncode}: {stderr[-400:]}"}
+            with open(out) as f:
+                return json.load(f) | {"error": None}
+    finally:
+        if network is not None:
+            network.close()
+
+
+def derive(figures):
+    """The per-run figures of the tables from what a run wrote."""
+    rate, quality = figures.get("rate") or {}, figures.get("quality") or {}
+    peaks = figures.get("peak_resident_bytes") or {}
+    workers = [v for k, v in sorted(peaks.items()) if k.startswith("worker")]
+    ps = [v for k, v in sorted(peaks.items()) if k.startswith("ps")]
+    out = {"updates_per_second": rate.get("updates_per_second"),
+           "examples_per_second": None, "bytes_per_worker_step": None,
+           "worker_peak_bytes": max(workers) if workers else None,
+           "worker_peak_bytes_each": workers, "ps_peak_bytes": max(ps) if ps else None,
+           "ps_peak_bytes_each": ps,
+           "loss": quality.get("loss"), "accuracy": quality.get("accuracy"),
+           "quality_examples": quality.get("examples")}
+    pushes = rate.get("pushes_per_second")
+    if pushes:
+        out["examples_per_second"] = pushes * FLAGS.batch_size
+        private = quality.get("network_namespace") not in (
+            None, loopback_counters()["network_namespace"])
+        if private and "loopback_tx_bytes_per_second" in rate:
+            out["bytes_per_worker_step"] = rate["loopback_tx_bytes_per_second"] / pushes
+    return out
+
+
+def estimates(rows):
+    """Documented estimates of one worker step's bytes (both ways, payload only): rows-only
+    (the rows a batch touches read, their gradients and int64 ids pushed, the dense part
+    both ways) and the whole model both ways (a worker that mirrors every table and
+    exchanges its whole shard, as tfdist before issue 21)."""
+    unique = job.unique_rows_per_batch(rows, FLAGS.batch_size)
+    dense = job.parameters(rows) - job.EMBEDDING_DIM * sum(job.table_rows(rows).values())
+    row_bytes = 4 * job.EMBEDDING_DIM
+    rows_only = sum(unique.values()) * (2 * row_bytes + 8) + 2 * 4 * dense
+    return {"unique_rows_per_batch": unique, "parameters": job.parameters(rows),
+            "rows_only_bytes_per_worker_step": rows_only,
+            "whole_model_bytes_per_worker_step": 2 * 4 * job.parameters(rows)}
+
+
+def summarize(runs):
+    """Median, min and max of each figure over the runs that gave it."""
+    keys = ("updates_per_second", "examples_per_second", "bytes_per_worker_step",
+            "worker_peak_bytes", "ps_peak_bytes", "loss", "accuracy")
+    out = {}
+    for key in keys:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        if values:
+            out[key] = {"median": statistics.median(values), "min": min(values),
+                        "max": max(values)}
+    return out
+
+
+def _commit():
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
+                              text=True).stdout.strip()
+
+    return {"sha": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
+
+
+def _cells():
+    cells = []
+    for system in FLAGS.systems:
+        if system not in SYSTEMS:
+            raise app.UsageError(f"--systems must be among {sorted(SYSTEMS)}. Received: "
+                                 f"{system!r}")
+        if system == "peer" and not FLAGS.peer_python:
+            continue
+        if system == "one_process":
+            cells.append((system, 1, 0))
+            continue
+        cells += [(system, int(m), int(s)) for m in FLAGS.workers for s in FLAGS.ps]
+    return cells
+
+
+QUICK = {"rows": ["100000", "1000000"], "workers": ["2"], "ps": ["1"], "repeats": 1,
+         "warmup": 2.0, "window": 6.0, "quality_examples": 12800}
+
+
+def _apply_quick():
+    """`--quick`'s settings, where the command line does not set them."""
+    if FLAGS.quick:
+        for name, value in QUICK.items():
+            if not FLAGS[name].present:
+                FLAGS[name].value = value
+
+
+def main(argv):
+    del argv
+    _apply_quick()
+    rows_list, cells = [int(v) for v in FLAGS.rows], _cells()
+    results = {"commit": _commit(), "machine": machine_note(), "load_before": load_note(),
+               "settings": {name: FLAGS[name].value for name in
+                            ("rows", "workers", "ps", "systems", "repeats", "warmup", "window",
+                             "quality_examples", "batch_size", "steps_per_execution",
+                             "embedding_tables", "quick")}
+               | {"peer": bool(FLAGS.peer_python), "train_examples": TRAIN_EXAMPLES,
+                  "job": job.DESCRIPTION},
+               "estimates": {str(rows): estimates(rows) for rows in rows_list}, "cells": []}
+    runs = {(cell, rows): [] for rows in rows_list for cell in cells}
+    for repeat in range(FLAGS.repeats):
+        for rows in rows_list:
+            for system, workers, num_ps in cells:
+                before, start = load_note()["load_average_1_5_15"], time.monotonic()
+                if system == "peer":
+                    figures = run_peer(rows, workers, num_ps)
+                else:
+                    figures = run_tfdist(system, rows, workers, num_ps)
+                run = {**derive(figures), "error": figures.get("error"),
+                       "load_before": before, "load_after": load_note()["load_average_1_5_15"],
+                       "seconds": time.monotonic() - start, "raw": figures}
+                runs[((system, workers, num_ps), rows)].append(run)
+                shown = run["error"] or (f"{run['updates_per_second']:.1f} updates/s, "
+                                         f"accuracy {run['accuracy']}")
+                print(f"[{repeat + 1}/{FLAGS.repeats}] V={rows:,} {SYSTEMS[system]}, "
+                      f"{workers} workers, {num_ps} ps: {shown}", flush=True)
+    for ((system, workers, num_ps), rows), cell_runs in runs.items():
+        results["cells"].append({"system": system, "label": SYSTEMS[system],
+                                 "workers": workers, "ps": num_ps, "rows": rows,
+                                 **summarize(cell_runs), "runs": cell_runs})
+    results["load_after"] = load_note()
+    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
+    with open(FLAGS.out + ".json", "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {FLAGS.out}.json", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
