@@ -34,6 +34,10 @@ from tensorflow.python.ops.resource_variable_ops import ResourceVariable  # noqa
 # (Codec state, as above: what `tf.train.Checkpoint` saves.)
 from tensorflow.python.trackable.base import Trackable  # noqa: F401
 
+# A table kept on the ps saves itself as slices of its parts (`tfdist.ps.tables`), as TF's
+# own `ShardedVariable` does, through the saveable of a resource variable.
+from tensorflow.python.training.saving.saveable_object_util import ResourceVariableSaveable  # noqa: F401
+
 
 def set_handle_shape_and_dtype(handle, shape, dtype):
     """Gives a raw `VarHandleOp` handle the shape metadata a `tf.Variable` needs.

@@ -28,6 +28,7 @@ def _table(splits=((0, 12), (12, ROWS)), value=None):
     table = tables.TableVariable.create(f"test{next(_names)}/embeddings", [ROWS, WIDTH],
                                         tf.float32, _parts(splits), initial_value=value)
     table.initialize()
+    table.joined(initialized=True)
     return table, value
 
 
@@ -163,6 +164,20 @@ class TableVariableTest(tf.test.TestCase):
         self.assertAllEqual(table.numpy(), value)
         with self.assertRaisesRegex(ValueError, "updated there by the optimizer"):
             table.assign_add(value)
+
+    def test_a_value_written_before_the_run_is_the_chief_s_until_a_new_run_takes_it(self):
+        table, value = _table()
+        again = tables.TableVariable.create(table._tfdist_path, [ROWS, WIDTH], tf.float32,
+                                            _parts(((0, 12), (12, ROWS))),
+                                            initial_value=lambda: tf.zeros([ROWS, WIDTH]))
+        again.assign(-value)  # `load_weights` before the run: kept on the chief
+        self.assertAllEqual(again.numpy(), -value)
+        for master, (begin, end) in table.parts:  # the ps tasks' table is untouched
+            self.assertAllEqual(master.read_value(), value[begin:end])
+        # A run in progress keeps its table; a new run takes the chief's value.
+        self.assertEqual(again.initialize(force=True), 2)
+        again.joined(initialized=True)
+        self.assertAllEqual(table.numpy(), -value)
 
     def test_initialize_writes_only_parts_that_hold_nothing(self):
         table, value = _table()

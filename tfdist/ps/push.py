@@ -24,6 +24,8 @@ from tfdist.compression import sparsify
 from tfdist.ps import placement
 from tfdist.ps import protocol
 from tfdist.ps.outer_optimizer import OuterOptimizer
+from tfdist.ps.rowwise import ROWWISE_OPTIMIZERS
+from tfdist.ps.rowwise import rowwise_optimizer
 from tfdist.ps.tables import TableVariable
 from tfdist.ps.variables import MirrorVariable
 from tfdist.ps.variables import replica_step
@@ -218,6 +220,15 @@ class GradientPush(Push):
         gradients = {id(v): g if (id(v) in pushed_sparse or isinstance(v, TableVariable)
                                   or not isinstance(g, tf.IndexedSlices))
                      else tf.convert_to_tensor(g) for v, g in step.recorded}
+        dense_tables = [v._tfdist_path for v, g in step.recorded
+                        if isinstance(v, TableVariable) and not isinstance(g, tf.IndexedSlices)]
+        if dense_tables:
+            raise ValueError(
+                f"the gradients of the embedding tables {dense_tables} reach the optimizer "
+                "dense (every row): something between the loss and the optimizer made them "
+                "so (`global_clipnorm`, a custom gradient transform), and pushing them would "
+                "move and update every row each step. Use `clipnorm` / `clipvalue`, which keep "
+                "the rows, or keep the tables on the workers (`embedding_tables=None`)")
         for table in engine._tables.tables:
             if id(table) not in gradients:  # not trained by this step: no rows
                 gradients[id(table)] = tf.IndexedSlices(
@@ -238,14 +249,30 @@ class GradientPush(Push):
                 fields[id(variable)] = self._update_options(variable)
                 if id(variable) in sparse:
                     fields[id(variable)]["sparse"] = True
-        for table in self.engine._tables.tables:
+        tables = self.engine._tables
+        if tables.tables and tables.updates == "lazy" and not rowwise_optimizer(self.optimizer):
+            inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
+            raise ValueError(
+                f"row-wise (lazy) updates of the embedding tables "
+                f"{[t._tfdist_path for t in tables.tables]} need an optimizer whose update of "
+                f"a row reads only that row: one of {sorted(ROWWISE_OPTIMIZERS)}. Received: "
+                f"{type(inner).__name__}. Pass `embedding_updates='dense'` (every row, every "
+                "update), or keep the tables on the workers (`embedding_tables=None`)")
+        if tables.tables and isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
+            log.warning(
+                "tfdist: Keras's LossScaleOptimizer checks every gradient for non-finite "
+                "values as a dense tensor: each step makes a mask of every row of the tables "
+                "%s on this worker (memory and time that follow the table's size). Training "
+                "without loss scaling (float32, or mixed_bfloat16) has no such mask",
+                [t._tfdist_path for t in tables.tables])
+        for table in tables.tables:
             fields[id(table)] = self._update_options(table)
-            if "constraint" in fields[id(table)] and self.engine._tables.updates == "lazy":
+            if "constraint" in fields[id(table)]:
                 raise ValueError(
-                    f"the embedding table {table._tfdist_path} has a constraint, which the ps "
-                    "tasks apply to a whole variable after each update; its lazy updates "
-                    "touch only the rows a step looked up. Pass `embedding_updates='dense'`, "
-                    "or drop the constraint, or keep the table on the workers "
+                    f"the embedding table {table._tfdist_path} has a constraint: the ps tasks "
+                    "apply constraints to whole variables (and Keras would apply it to the "
+                    "whole table on each worker), while a table is updated on the ps by rows. "
+                    "Drop the constraint, or keep the table on the workers "
                     "(`embedding_tables=None`)")
         return fields
 

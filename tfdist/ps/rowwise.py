@@ -112,10 +112,6 @@ class _TableRows:
         self.chunk = int(chunk_rows or max(256, _CHUNK_BYTES // (width * itemsize)))
         self.chunk = min(self.chunk, int(table.shape[0]))
         shared = {v.path: v for v in optimizer.variables}
-        slot_prefix = table.path.replace("/", "_") + "_"
-        self.slots = {v.path.rpartition("/")[2][len(slot_prefix):]: v
-                      for v in optimizer.variables
-                      if v.path.rpartition("/")[2].startswith(slot_prefix)}
         with tf.init_scope(), tf.variable_creator_scope(_ShareByPath(shared)):
             # The scratch variable's name differs from every model variable's, so that
             # its slots do too; everything else the row optimizer makes is the main one's.
@@ -126,15 +122,20 @@ class _TableRows:
             if optimizer.weight_decay is not None and not optimizer._use_weight_decay(table):
                 self.row_optimizer.exclude_from_weight_decay(var_list=[self.scratch])
             self.row_optimizer.build([self.scratch])
+        # A slot of a variable is named `{its path, "/" as "_"}_{slot}`: the scratch's slots
+        # name the slots of the table, looked up by their exact names.
         scratch_prefix = self.scratch.path.replace("/", "_") + "_"
         self.scratch_slots = {v.path.rpartition("/")[2][len(scratch_prefix):]: v
                               for v in self.row_optimizer.variables
                               if v.path.rpartition("/")[2].startswith(scratch_prefix)}
-        if set(self.scratch_slots) != set(self.slots):
+        by_name = {v.path.rpartition("/")[2]: v for v in optimizer.variables}
+        slot_prefix = table.path.replace("/", "_") + "_"
+        missing = [name for name in self.scratch_slots if slot_prefix + name not in by_name]
+        if missing:
             raise ValueError(
-                f"the optimizer's state of {table.path} ({sorted(self.slots)}) does not "
-                f"match a row's ({sorted(self.scratch_slots)}): it cannot be updated "
-                "row by row")
+                f"the optimizer has no {missing} state of {table.path} (a row has "
+                f"{sorted(self.scratch_slots)}): it cannot be updated row by row")
+        self.slots = {name: by_name[slot_prefix + name] for name in self.scratch_slots}
 
     def apply(self, indices, values, learning_rate_factor):
         total = tf.size(indices)

@@ -167,10 +167,16 @@ class TableSet:
         check_step_reads(self.tables)
 
     def initialize(self):
-        """A new run on the chief: the parts that hold nothing take their initial values (a
-        table restored or loaded before the run keeps what it holds)."""
+        """A new run, on the chief: every part takes its table's initial value (the value
+        the chief wrote before the run, a loaded file or a restored backup; else the
+        initializer's), whatever an earlier run left on the ps tasks."""
         for table in self.all():
-            table.initialize()
+            table.initialize(force=True)
+
+    def joined(self, initialized):
+        """The worker joined a run (`initialized`: a new one, which `initialize` wrote)."""
+        for table in self.all():
+            table.joined(initialized)
 
     def add_entries(self, entries, fields):
         """Joining a run: appends each part's spec entry to its ps task's `entries`

@@ -19,6 +19,8 @@ the table's Keras path and rows), and:
   master variable.
 """
 
+import logging
+
 import numpy as np
 import tensorflow as tf
 
@@ -87,6 +89,8 @@ class TableVariable(_tf_compat.BaseResourceVariable):
         variable._tfdist_parts = tuple(opened)
         variable._tfdist_initial_value = initial_value
         variable._tfdist_step_reads = []
+        variable._tfdist_pending = None   # the chief's value from before the run
+        variable._tfdist_joined = False
         return variable
 
     @property
@@ -170,28 +174,35 @@ class TableVariable(_tf_compat.BaseResourceVariable):
                 "workers: `embedding_tables=None` on the strategy (or leave it out of its list)")
 
     def read_in_chunks(self):
-        """The whole table as a NumPy array, read part by part in bounded chunks."""
+        """The whole table as a NumPy array, read part by part in bounded chunks (before the
+        run, the chief's own value of it, if it wrote one)."""
         if not tf.executing_eagerly():
             raise ValueError(self._whole_read_error("a traced function"))
+        if self._tfdist_pending is not None:
+            return self._tfdist_pending.copy()
         if self.before_read is not None:
             self.before_read()
         out = np.empty(self.shape.as_list(), self.dtype.as_numpy_dtype)
         for master, begin, end in self._chunks():
+            offset = self._part_begin(master)
+            # A gather of the chunk's rows: a read of the whole part would copy it on the
+            # ps at every chunk (a gathered variable is copied on read).
             with tf.device(master.device):
-                value = tf.raw_ops.ReadVariableOp(resource=master.handle, dtype=self.dtype)
-                offset = self._part_begin(master)
-                chunk = value[begin - offset:end - offset]
+                chunk = tf.raw_ops.ResourceGather(
+                    resource=master.handle, dtype=self.dtype,
+                    indices=tf.range(begin - offset, end - offset, dtype=tf.int64))
             out[begin:end] = chunk.numpy()
         return out
 
     def _part_begin(self, master):
         return next(rows[0] for m, rows in self._tfdist_parts if m is master)
 
-    def _chunks(self):
-        """`(master, begin, end)` for every chunk of rows, in row order."""
+    def _chunks(self, parts=None):
+        """`(master, begin, end)` for every chunk of rows of `parts` (default: all), in row
+        order."""
         row_bytes = max(1, int(np.prod(self.shape[1:], dtype=np.int64))) * self.dtype.size
         step = max(1, CHUNK_BYTES // row_bytes)
-        for master, (begin, end) in self._tfdist_parts:
+        for master, (begin, end) in parts or self._tfdist_parts:
             for start in range(begin, end, step):
                 yield master, start, min(end, start + step)
 
@@ -200,13 +211,18 @@ class TableVariable(_tf_compat.BaseResourceVariable):
         with tf.init_scope():
             return all(variables_lib.is_initialized(master) for master, _ in self._tfdist_parts)
 
-    def initialize(self):
-        """Writes the initial value into every part that holds nothing yet (on the ps tasks:
-        nothing crosses to this worker); returns how many parts it wrote."""
-        missing = [(m, rows) for m, rows in self._tfdist_parts
-                   if not variables_lib.is_initialized(m)]
-        if not missing:
+    def initialize(self, force=False):
+        """Writes the initial value into every part that holds nothing yet (`force`: into
+        every part): the chief's own value if it wrote one before the run, else the
+        initializer's, computed on the first part's ps task (nothing crosses to this
+        worker). Returns how many parts it wrote."""
+        targets = [(m, rows) for m, rows in self._tfdist_parts
+                   if force or not variables_lib.is_initialized(m)]
+        if not targets:
             return 0
+        if self._tfdist_pending is not None:
+            self._write_parts(self._tfdist_pending, targets)
+            return len(targets)
         initial = self._tfdist_initial_value
         with tf.init_scope(), tf.device(self._tfdist_parts[0][0].device):
             value = initial() if callable(initial) else initial
@@ -214,11 +230,39 @@ class TableVariable(_tf_compat.BaseResourceVariable):
             if value.shape != self.shape:
                 raise ValueError(f"the initial value of table {self._tfdist_path} has shape "
                                  f"{value.shape}, not {self.shape}")
-            slices = {rows: value[rows[0]:rows[1]] for _, rows in missing}
-        for master, rows in missing:
-            with tf.init_scope(), tf.device(master.device):
-                master.assign(tf.identity(slices[rows]), read_value=False)
-        return len(missing)
+        self._write_parts(value, targets)
+        return len(targets)
+
+    def joined(self, initialized):
+        """The worker joined a run: the chief's value from before it (`load_weights`, a
+        restored backup) became the run's if the run was new (`initialized`: `initialize`
+        wrote it), else the run's table stands, as for every master variable."""
+        if self._tfdist_pending is not None and not initialized:
+            logging.getLogger("tfdist").info(
+                "tfdist: the run in progress keeps its table %s; the value written before "
+                "joining it is dropped", self._tfdist_path)
+        self._tfdist_pending = None
+        self._tfdist_joined = True
+
+    def _write_parts(self, value, parts):
+        """Writes `value` (the whole table: a NumPy array, or a tensor on some device) into
+        `parts`, in chunks of at most `CHUNK_BYTES`."""
+        with tf.init_scope():
+            for master, _ in parts:
+                if not variables_lib.is_initialized(master):
+                    with tf.device(master.device):
+                        master.assign(tf.zeros(master.shape, self.dtype), read_value=False)
+            for master, begin, end in self._chunks(parts):
+                offset = self._part_begin(master)
+                rows = tf.range(begin - offset, end - offset, dtype=tf.int64)
+                if isinstance(value, np.ndarray):
+                    chunk = tf.constant(value[begin:end])
+                else:
+                    with tf.device(value.device):
+                        chunk = value[begin:end]
+                with tf.device(master.device):
+                    tf.raw_ops.ResourceScatterUpdate(resource=master.handle, indices=rows,
+                                                     updates=chunk)
 
     def _write(self, value):
         if variables_lib.in_replica_step() or not tf.executing_eagerly():
@@ -228,22 +272,16 @@ class TableVariable(_tf_compat.BaseResourceVariable):
                 "eagerly (`set_weights`, `load_weights`) on the chief")
         if not self._tfdist_writable:
             return self
-        value = np.asarray(value, self.dtype.as_numpy_dtype)
+        value = np.array(value, self.dtype.as_numpy_dtype)
         if value.shape != tuple(self.shape.as_list()):
             raise ValueError(f"the value written to table {self._tfdist_path} has shape "
                              f"{value.shape}, not {self.shape.as_list()}")
-        with tf.init_scope():
-            for master, _ in self._tfdist_parts:
-                if not variables_lib.is_initialized(master):
-                    with tf.device(master.device):
-                        master.assign(tf.zeros(master.shape, self.dtype), read_value=False)
-            for master, begin, end in self._chunks():
-                offset = self._part_begin(master)
-                rows = tf.range(begin - offset, end - offset, dtype=tf.int64)
-                chunk = tf.constant(value[begin:end])
-                with tf.device(master.device):
-                    tf.raw_ops.ResourceScatterUpdate(resource=master.handle, indices=rows,
-                                                     updates=chunk)
+        if self._tfdist_joined:
+            self._write_parts(value, self._tfdist_parts)
+        else:
+            # Before the run: the chief's value, written when it starts a new run (a run in
+            # progress keeps its own table, as for every master variable).
+            self._tfdist_pending = value
         return self
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
@@ -251,12 +289,21 @@ class TableVariable(_tf_compat.BaseResourceVariable):
         self._write(value)
         return self if read_value else None
 
-    def _restore_from_tensors(self, restored_tensors):
-        # (The base class assigns the whole value to the handle, which is the first part's.)
-        restored = next(iter(restored_tensors.values()))
-        with tf.init_scope():
-            self._write(restored.numpy() if hasattr(restored, "numpy") else restored)
-        return tf.no_op()
+    def _gather_saveables_for_checkpoint(self):
+        """A `tf.train.Checkpoint` saves a table as its parts, each a slice of the whole (as
+        TF's `ShardedVariable` does), read and written on its ps task; a checkpoint of a
+        table and of a plain variable of its shape are the same."""
+        def saveables(name=self.name):
+            out = []
+            for master, (begin, _) in self._tfdist_parts:
+                offset = [begin] + [0] * (len(self.shape) - 1)
+                spec = tf.Variable.SaveSliceInfo(
+                    full_name=name, full_shape=self.shape.as_list(), var_offset=offset,
+                    var_shape=master.shape.as_list()).spec
+                out.append(_PartSaveable(master, spec, name, self))
+            return out
+
+        return {"VARIABLE_VALUE": saveables}
 
     def _refuse(self, *args, **kwargs):
         del args, kwargs
@@ -277,3 +324,17 @@ def check_step_reads(tables):
             raise ValueError(table._whole_read_error("the step's code (a custom layer, a "
                                                      "regularizer or a constraint of it?)"))
 
+
+
+class _PartSaveable(_tf_compat.ResourceVariableSaveable):
+    """One part of a table in a checkpoint; restoring it writes nothing on a worker that
+    follows the chief (its writes are ignored, as every other of its writes to a table)."""
+
+    def __init__(self, master, spec, name, table):
+        super().__init__(master, spec, name)
+        self._table = table
+
+    def restore(self, restored_tensors, restored_shapes):
+        if not self._table._tfdist_writable:
+            return tf.no_op()
+        return super().restore(restored_tensors, restored_shapes)

@@ -244,7 +244,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             if any(a["initialize"] for a in answers):
                 log.info("tfdist: %s initialises the run's master variables",
                          self._connection.task_name)
-                self._tables.initialize()  # on the ps tasks; a restored table is kept
+                self._tables.initialize()  # on the ps tasks
             mirrors = {v._tfdist_path: v for v in self._mirrors}
             with replica_step():  # the chief's own values, read before any is bound
                 initial = ({path: v.read_value() for path, v in mirrors.items()}
@@ -264,6 +264,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                             # once per worker; one worker's best weights restored, not
                             # each one's).
                             variable.follow()
+            self._tables.joined(any(a["initialize"] for a in answers))
             self._clients = clients
             self._layouts = [protocol.ShardLayout(e) for e in entries]
             for client, layout in zip(clients, self._layouts):
