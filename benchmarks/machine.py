@@ -1,6 +1,10 @@
-"""What a benchmark's figures depend on besides its settings: the machine and its load."""
+"""What a benchmark's figures depend on besides its settings: the code, the machine, its load."""
 
 import os
+import platform
+import subprocess
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def load_note():
@@ -8,3 +12,77 @@ def load_note():
     the benchmarks share the cores with whatever else runs, and their rates follow it."""
     return {"load_average_1_5_15": [round(x, 2) for x in os.getloadavg()],
             "cpus": os.cpu_count()}
+
+
+def _git(*args):
+    done = subprocess.run(["git", "-C", HERE, *args], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def code_note():
+    """The commit the benchmarks run from, and whether the work tree differed from it (the
+    results directory aside: a run writes there)."""
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                  ":(exclude)benchmarks/results")
+    return {"commit": commit or "unknown", "dirty": bool(status) if status is not None else None}
+
+
+def machine_note():
+    """Cores, memory and CPU model of this machine."""
+    model = platform.processor() or platform.machine()
+    memory_gib = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), model)
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
+            memory_gib = round(kib / 2**20, 1)
+    except (OSError, StopIteration, ValueError):
+        pass
+    return {"cpus": os.cpu_count(), "memory_gib": memory_gib, "cpu_model": model,
+            "system": platform.platform()}
+
+
+def stamp(settings=None):
+    """What a benchmark's JSON carries beside its figures: the commit (and whether the tree
+    was dirty), the machine and its load at the start, and the run's `settings` (a dict).
+    `finish(stamp)` adds the load at the end. `settings` None: `script_settings()`."""
+    settings = script_settings() if settings is None else settings
+    return {**code_note(), "machine": machine_note(), "settings": settings,
+            "load_before": load_note()["load_average_1_5_15"]}
+
+
+def finish(run_stamp):
+    """`run_stamp` with the load average at the end of the run."""
+    return {**run_stamp, "load_after": load_note()["load_average_1_5_15"]}
+
+
+def script_settings():
+    """The values of the flags the running script (`__main__`) defines, for `stamp`."""
+    import sys
+
+    from absl import flags
+
+    own = flags.FLAGS.flags_by_module_dict().get(sys.argv[0], [])
+    return {flag.name: flag.value for flag in own}
+
+
+def commit_label(run_stamp):
+    """"<12 hex digits>", with "+dirty" where the tree had uncommitted changes; "not
+    recorded" for results without a stamp."""
+    if not run_stamp or run_stamp.get("commit") in (None, "unknown"):
+        return "not recorded"
+    return run_stamp["commit"][:12] + ("+dirty" if run_stamp.get("dirty") else "")
+
+
+def record_parts(results, run_stamp, measured, kept=()):
+    """Notes in `results["part_commits"]` the commit that measured each part of a result
+    file (keys of the script's choosing): `measured` by this run, `kept` from the earlier
+    run whose figures `results` still holds (call it before replacing `results["stamp"]`).
+    A report then never mixes parts of different commits unseen."""
+    earlier = commit_label(results.get("stamp"))
+    commits = {part: results.get("part_commits", {}).get(part, earlier) for part in kept}
+    commits.update({part: commit_label(run_stamp) for part in measured})
+    results["part_commits"] = commits

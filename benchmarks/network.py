@@ -7,20 +7,23 @@ uncompressed, on local clusters whose network is rate-limited (`LocalCluster(ban
 
 Job (`network_worker.py`): a CNN on digits with 1.08 M parameters (two convolutions, a
 512 x 2048 dense layer), batch 32 per worker, SGD, tfdist's MultiWorkerMirroredStrategy with
-`compression=<codec>`, every task in one private network namespace whose loopback is limited
-to `--bandwidths` (tc's token bucket). Every task's traffic crosses that one link, as machines
-on one hub: the limit is shared by the N workers, not given to each.
+`compression=<codec>`, on a local cluster whose network is limited to `--bandwidths` (tc's
+token bucket): `--topology=switched` (default) gives every worker a link of that rate of its
+own, each way, as machines on a switch; `--topology=hub` puts every task on one loopback of
+that rate, shared by the N workers as on a hub.
 
 * Step time: median seconds per step of the chief over a timing run of `--timing_steps`
   steps, at every bandwidth and N of `--workers`; ratios are uncompressed over the codec
-  at the same bandwidth and N, in the same invocation.
+  at the same bandwidth and N, in the same invocation. Each setting also times the limit,
+  `LIMIT`: plain Keras `fit` in one process (no strategy, no network) on the global batch
+  of 32 x N rows, on the same cores.
 * Accuracy: a full run (`--epochs`) of every codec at N = `--accuracy_workers` (by default
   with no rate limit: it changes the time, not the numbers), with the loss of every epoch;
   lossy codecs also without error feedback.
 
-The 2 cores of this machine are shared by every worker: compute-bound steps (those the
-compressed exchanges reach) are slower here than on N machines, so the speed-ups are
-conservative. Writes <out>.json and <out>.png.
+The cores of this machine are shared by every worker: compute-bound steps (those the
+compressed exchanges reach) are slower here than on N machines. Writes <out>.json and
+<out>.png.
 """
 
 import json
@@ -31,13 +34,18 @@ import time
 
 from absl import app
 from absl import flags
-from machine import load_note
+from machine import finish
+from machine import record_parts
+from machine import stamp
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", os.path.join("benchmarks", "results", "network"),
                     "Output path without extension.")
 flags.DEFINE_list("compressors", None, "Compressors (default: none and every registered).")
 flags.DEFINE_list("bandwidths", ["100mbit", "1gbit"], "Link rates (tc units).")
+flags.DEFINE_enum("topology", "switched", ["switched", "hub"],
+                  "switched: every task a link of the rate of its own; hub: one link of the "
+                  "rate shared by every task.")
 flags.DEFINE_list("workers", ["2", "4"], "Worker counts N of the timing runs.")
 flags.DEFINE_list("wide_compressors", None,
                   "Compressors timed at every bandwidth and N; the others only at the first "
@@ -57,6 +65,7 @@ flags.DEFINE_multi_enum("parts", ["timing", "accuracy"], ["timing", "accuracy"],
                         "Parts to run; the others are kept from an existing <out>.json.")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+LIMIT = "one process, no strategy"
 # What each compressor runs with (the papers' settings where the issue names none).
 SETTINGS = {
     "topk": {"ratio": 0.01},
@@ -78,6 +87,10 @@ def run(compression, workers, bandwidth, extra):
 
     if compression == "sgp":
         compression, extra = "none", {**extra, "strategy": "sgp"}
+    if compression == LIMIT:  # one process, the global batch, no network to limit
+        compression, bandwidth = "none", None
+        extra = {**extra, "strategy": "none", "batch_per_worker": 32 * workers}
+        workers = 1
     config = dict(SETTINGS.get(compression, {}))
     config.update(extra.pop("config", {}))
     with tempfile.TemporaryDirectory() as out_dir:
@@ -87,7 +100,8 @@ def run(compression, workers, bandwidth, extra):
                    *[f"--{k}={v}" for k, v in extra.items()]]
         start = time.perf_counter()
         with LocalCluster(command, num_ps=0, num_workers=workers, timeout=FLAGS.timeout,
-                          output=None, bandwidth=bandwidth) as cluster:
+                          output=None, bandwidth=bandwidth,
+                          topology=FLAGS.topology if bandwidth else None) as cluster:
             result = cluster.wait()
         if result.returncode or not os.path.exists(out):
             tail = " | ".join(line for _, line in list(cluster.lines)[-4:])
@@ -110,18 +124,22 @@ def main(argv):
 
     names = FLAGS.compressors or ["none", *[n for n in tfdist.compression.names()
                                             if n != "none"]]
-    load_before = load_note()
+    run_stamp = stamp()
     results = {}
     if os.path.exists(FLAGS.out + ".json"):
         with open(FLAGS.out + ".json") as f:
             results = json.load(f)
+    measured = []
     results.update({
         "job": "digits CNN, 1.08 M parameters, batch 32 per worker, SGD, tfdist "
                "MultiWorkerMirroredStrategy" + (" (row sgp: StochasticGradientPushStrategy, "
                                                  "exponential graph, 1 peer, overlap)"
                                                  if FLAGS.sgp else ""),
-        "network": "one private namespace, loopback limited by tc tbf (shared by all tasks)",
-        "settings": SETTINGS, "machine": "2 cores shared by every task"})
+        "network": ("a private namespace per task on a bridge, every link limited by tc tbf "
+                    "(machines on a switch)" if FLAGS.topology == "switched" else
+                    "one private namespace, loopback limited by tc tbf (a hub: its rate shared "
+                    "by all tasks)"),
+        "settings": SETTINGS, "machine": "every task on this machine's cores"})
     if "timing" in FLAGS.parts:
         # A run replaces the settings (bandwidth, N) it measures and keeps the others: each
         # row's ratios come from one run, and `--workers=8` can be added to a 2/4 run.
@@ -130,9 +148,10 @@ def main(argv):
         for bandwidth in FLAGS.bandwidths:
             for workers in map(int, FLAGS.workers):
                 row = timing[f"{bandwidth}, N={workers}"] = {}
-                for name in names + (["sgp"] if FLAGS.sgp else []):
+                measured.append(f"timing/{bandwidth}, N={workers}")
+                for name in names + (["sgp"] if FLAGS.sgp else []) + [LIMIT]:
                     if ((bandwidth, workers) != first and FLAGS.wide_compressors
-                            and name not in FLAGS.wide_compressors):
+                            and name not in FLAGS.wide_compressors + [LIMIT]):
                         continue
                     row[name] = run(name, workers, bandwidth,
                                     {"max_steps": FLAGS.timing_steps,
@@ -146,11 +165,15 @@ def main(argv):
                 for figures in row.values():
                     figures["load_average"] = row_load
                 base = row.get("none", {}).get("seconds_per_step")
+                limit = row.get(LIMIT, {}).get("seconds_per_step")
                 for figures in row.values():
                     if base and figures.get("seconds_per_step"):
                         figures["speedup"] = base / figures["seconds_per_step"]
+                    if limit and figures.get("seconds_per_step"):
+                        figures["fraction_of_limit"] = limit / figures["seconds_per_step"]
         results["timing"] = timing
     if "accuracy" in FLAGS.parts:
+        measured.append("accuracy")
         accuracy = {}
         bandwidth = FLAGS.accuracy_bandwidth
         for name in names:
@@ -170,7 +193,11 @@ def main(argv):
         results["accuracy"] = accuracy
         results["accuracy_setting"] = {"workers": FLAGS.accuracy_workers,
                                        "epochs": FLAGS.epochs, "bandwidth": bandwidth}
-    results.update(load_before=load_before, load_after=load_note())
+    every = [f"timing/{s}" for s in results.get("timing", {})] + (
+        ["accuracy"] if "accuracy" in results else [])
+    record_parts(results, run_stamp, measured, kept=[p for p in every if p not in measured])
+    results["stamp"] = finish(run_stamp)
+    results["topology"] = FLAGS.topology
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(results, f, indent=1)

@@ -22,6 +22,9 @@ import tempfile
 import numpy as np
 from absl import app
 from absl import flags
+from machine import finish
+from machine import record_parts
+from machine import stamp
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("seeds", 3, "Seeds per mode.", lower_bound=1)
@@ -102,6 +105,7 @@ def _summary(runs):
 def main(argv):
     del argv
     seeds = list(range(FLAGS.seeds))
+    run_stamp = stamp()
     if FLAGS.update and os.path.exists(FLAGS.out + ".json"):
         with open(FLAGS.out + ".json") as f:
             results = json.load(f)
@@ -133,6 +137,13 @@ def main(argv):
             print(f"{m} workers, {name}: {summary['test_accuracy_mean']:.4f} "
                   f"({summary['vs_single_points']:+.2f} points), "
                   f"{summary['train_seconds_mean']:.1f} s", flush=True)
+    measured = [f"{m} workers/{name}" for m in FLAGS.workers for name in chosen]
+    every = [f"{group}/{name}" for group in results if group.endswith(" workers")
+             for name in results[group]]
+    record_parts(results, run_stamp, measured + ([] if FLAGS.update else ["single process"]),
+                 kept=[p for p in every if p not in measured]
+                 + (["single process"] if FLAGS.update else []))
+    results["stamp"] = finish(run_stamp)
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(results, f, indent=1)

@@ -29,7 +29,9 @@ import tempfile
 
 from absl import app
 from absl import flags
+from machine import finish
 from machine import load_note
+from machine import stamp
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_workers", 4, "Workers M.", lower_bound=2)
@@ -136,14 +138,15 @@ def main(argv):
     if FLAGS.only:
         modes = {name: spec for name, spec in modes.items()
                  if any(part in name for part in FLAGS.only)}
-    load_before = load_note()
+    run_stamp = stamp()
     results = {"num_workers": m, "slowdown": FLAGS.slowdown, "window_seconds": FLAGS.window,
                "scenarios": FLAGS.scenarios, "stall_every": FLAGS.stall_every,
                "stall_steps": FLAGS.stall_steps,
-               "job": "digits MLP 64-64-10 (4,810 parameters), batch 32 per worker, SGD",
-               "network": "localhost, no limit",
+               "job": "digits MLP 64-64-10 (4,810 parameters), 32 rows per worker per step "
+                      "(MultiWorkerMirrored: a global batch of 32 x M), SGD",
+               "network": "local cluster, no bandwidth limit",
                "modes": {name: _mode(name, *spec) for name, spec in modes.items()}}
-    results.update(load_before=load_before, load_after=load_note())
+    results["stamp"] = finish(run_stamp)
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(results, f, indent=1)

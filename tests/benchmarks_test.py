@@ -1,11 +1,11 @@
-"""The capacity model of benchmarks/capacity.py against closed forms; the compression
-benchmark end to end at its smallest settings."""
+"""The capacity model of benchmarks/capacity.py against closed forms; report.py's rules
+(commits never mixed in a table, no difference inside the spread, fractions of the limit) on
+small JSON fixtures. The benchmarks themselves run in `benchmarks/run_all.py --size=quick`."""
 
 import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 
 import tensorflow as tf
@@ -15,6 +15,9 @@ _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("capacity", _PATH)
 capacity = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(capacity)
+sys.path.insert(0, os.path.dirname(_PATH))
+import machine  # noqa: E402
+import report  # noqa: E402
 
 
 class CapacityModelTest(tf.test.TestCase):
@@ -50,33 +53,96 @@ class CapacityModelTest(tf.test.TestCase):
         self.assertLess(rows[1]["ps_soft_sync_0.9_s"], rows[1]["ps_hard_sync_s"])
 
 
-class CompressionBenchmarkTest(tf.test.TestCase):
-
-    def test_smallest_run_writes_every_figure(self):
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        out = os.path.join(self.get_temp_dir(), "compression")
-        command = [sys.executable, os.path.join(root, "benchmarks", "compression.py"),
-                   f"--out={out}", "--fast", "--compressors=fp16,topk", "--seeds=0",
-                   "--epochs=1", "--timing_steps=5"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=400)
-        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
-        with open(out + ".json") as f:
-            figures = json.load(f)
-        self.assertTrue(os.path.exists(out + ".png"))
-        exchange = figures["exchange"]
-        self.assertGreater(exchange["step_time_ratio"], 0)
-        self.assertEqual(exchange["compressors"]["fp16"]["bytes_ratio"], 2.0)
-        self.assertGreaterEqual(exchange["compressors"]["topk"]["bytes_ratio"], 50)
-        self.assertEqual(exchange["compressors"]["topk"]["bytes_sent"],
-                         exchange["compressors"]["topk"]["documented_bytes"])
-        cnn = exchange["cnn"]["compressors"]
-        self.assertEqual(set(cnn), {"fp16", "topk"})
-        for entry in cnn.values():
-            self.assertGreater(entry["codec_share"], 0)
-            self.assertLess(entry["codec_share"], 1)
-        accuracy = figures["accuracy"]["compressors"]
-        self.assertEqual(set(accuracy["topk"]), {"error_feedback", "no_error_feedback"})
+def _stamp(commit, dirty=False):
+    return {"commit": commit, "dirty": dirty, "load_before": [1.0, 1.0, 1.0],
+            "load_after": [1.5, 1.0, 1.0], "settings": {},
+            "machine": {"cpus": 2, "memory_gib": 8.0, "cpu_model": "test CPU"}}
 
 
-if __name__ == "__main__":
-    tf.test.main()
+def _cell(*values):
+    return {"median": sorted(values)[len(values) // 2], "min": min(values), "max": max(values)}
+
+
+def _rates_row(updates, rows_per_update):
+    runs = [{"updates_per_second": u, "load_before": [2.0, 1, 1], "load_after": [3.5, 1, 1]}
+            for u in updates]
+    return {"updates_per_second": _cell(*updates),
+            "examples_per_second": _cell(*[u * rows_per_update for u in updates]),
+            "rows_per_update": rows_per_update, "runs": runs}
+
+
+class ReportTest(tf.test.TestCase):
+    """report.py's rules on small JSON fixtures (no benchmark runs)."""
+
+    def test_a_table_of_two_commits_is_refused(self):
+        self.assertEqual(report.one_commit({"a": "0123", "b": "0123"}), "0123")
+        with self.assertRaisesRegex(report.MixedCommits, r"2 commits \(0123: a, c; 4567: b\)"):
+            report.one_commit({"a": "0123", "b": "4567", "c": "0123"})
+
+    def test_a_difference_inside_the_spread_is_no_difference(self):
+        reference = _cell(100.0, 110.0, 120.0)
+        wide = report.compare(_cell(105.0, 130.0, 140.0), reference)  # diff 20, spread 35
+        self.assertTrue(wide["no_difference"])
+        self.assertAlmostEqual(wide["ratio"], 130 / 110)
+        self.assertEqual(report.comparison_text(wide), "no difference (1.18x)")
+        narrow = report.compare(_cell(200.0, 205.0, 210.0), reference)  # diff 95, spread 20
+        self.assertFalse(narrow["no_difference"])
+        self.assertEqual(report.comparison_text(narrow), "1.86x")
+        self.assertIsNone(report.compare({"median": None}, reference))
+
+    def test_fraction_of_the_faster_limit(self):
+        limits = [_cell(1000.0, 1100.0, 1200.0), _cell(2000.0, 2200.0, 2400.0), None]
+        self.assertAlmostEqual(report.fraction_of_limit(_cell(550.0), limits), 0.25)
+        self.assertIsNone(report.fraction_of_limit(_cell(550.0), [None]))
+
+    def test_part_commits_keep_what_an_earlier_run_measured(self):
+        results = {"stamp": _stamp("a" * 40)}
+        machine.record_parts(results, _stamp("b" * 40, dirty=True), ["timing/1gbit, N=2"],
+                             kept=["timing/100mbit, N=2"])
+        self.assertEqual(results["part_commits"], {"timing/100mbit, N=2": "a" * 12,
+                                                   "timing/1gbit, N=2": "b" * 12 + "+dirty"})
+        self.assertEqual(report.part_commit(results, "timing/1gbit, N=2"), "b" * 12 + "+dirty")
+        self.assertEqual(machine.commit_label(None), "not recorded")
+
+    def test_report_names_commits_refuses_mixtures_and_gives_fractions(self):
+        out = self.get_temp_dir()
+        rows = {
+            "one process, Keras fit, no strategy": _rates_row([400.0, 410.0, 420.0], 64),
+            "all-reduce (tfdist MultiWorkerMirrored)": _rates_row([60.0, 62.0, 64.0], 64),
+            "async, 1 ps": _rates_row([300.0, 320.0, 340.0], 32),
+            "hard sync, 1 ps": _rates_row([50.0, 61.0, 70.0], 64),
+            "tf_keras ParameterServerStrategy, 1 ps": _rates_row([150.0, 160.0, 170.0], 32),
+        }
+        rates = {"stamp": _stamp("c" * 40), "num_workers": 2, "window_seconds": 2.0,
+                 "repeats": 3, "rows_per_worker_step": 32, "job": "digits MLP",
+                 "network": "local cluster", "reference": "all-reduce (tfdist "
+                 "MultiWorkerMirrored)", "limit": ["one process, Keras fit, no strategy"],
+                 "peer": ["tf_keras ParameterServerStrategy, 1 ps"], "rows": rows,
+                 "bytes_per_ps_task": {"1 ps": [19240]}}
+        timing = {"none": {"seconds_per_step": 1.0, "speedup": 1.0}}
+        network = {"stamp": _stamp("d" * 40), "job": "CNN", "network": "switched",
+                   "machine": "here", "timing_steps": 5,
+                   "timing": {"100mbit, N=2": timing, "100mbit, N=4": timing},
+                   "part_commits": {"timing/100mbit, N=2": "d" * 12,
+                                    "timing/100mbit, N=4": "e" * 12}}
+        for name, value in (("rates", rates), ("network", network)):
+            with open(os.path.join(out, name + ".json"), "w") as f:
+                json.dump(value, f)
+        report.write_report(out)
+        with open(os.path.join(out, "report.md")) as f:
+            text = f.read()
+        self.assertIn("Measured at commit `cccccccccccc`.", text)
+        rows = {line.split(" | ")[0].strip("| "): line.split(" | ")
+                for line in text.splitlines() if line.startswith("| ")}
+        # async: 320 x 32 rows a second against the limit's 410 x 64; 5.16x all-reduce's
+        # updates; 2.58x its examples; against the peer 2.00x (equal rows per update).
+        self.assertEqual(rows["async, 1 ps"][1:9], [
+            "32", "320.0 (300.0–340.0)", "10,240 (9,600–10,880)", "0.39", "5.16x", "2.58x",
+            "2.00x", "2–3.5 |"])
+        # hard sync's 61 (50-70) against all-reduce's 62 (60-64): no difference.
+        self.assertEqual(rows["hard sync, 1 ps"][5:7],
+                         ["no difference (0.98x)", "no difference (0.98x)"])
+        self.assertIn("**Table refused**: its figures come from 2 commits (dddddddddddd: "
+                      "timing/100mbit, N=2; eeeeeeeeeeee: timing/100mbit, N=4)", text)
+
+
