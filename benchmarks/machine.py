@@ -20,11 +20,13 @@ def _git(*args):
 
 
 def code_note():
-    """The commit the benchmarks run from, and whether the work tree differed from it (the
-    results directory aside: a run writes there)."""
+    """The commit the benchmarks run from, and whether the code that runs (tfdist/ and
+    benchmarks/, the results directory aside: a run writes there) differed from it."""
     commit = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".",
-                  ":(exclude)benchmarks/results")
+    root = os.path.dirname(HERE)
+    status = _git("status", "--porcelain", "--untracked-files=no", "--",
+                  os.path.join(root, "tfdist"), HERE,
+                  ":(exclude)" + os.path.join(HERE, "results"))
     return {"commit": commit or "unknown", "dirty": bool(status) if status is not None else None}
 
 
@@ -86,3 +88,13 @@ def record_parts(results, run_stamp, measured, kept=()):
     commits = {part: results.get("part_commits", {}).get(part, earlier) for part in kept}
     commits.update({part: commit_label(run_stamp) for part in measured})
     results["part_commits"] = commits
+
+
+def spread(values):
+    """Median, min and max of a cell's runs (None each where there are none)."""
+    import statistics
+
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}

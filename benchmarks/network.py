@@ -13,7 +13,8 @@ own, each way, as machines on a switch; `--topology=hub` puts every task on one 
 that rate, shared by the N workers as on a hub.
 
 * Step time: median seconds per step of the chief over a timing run of `--timing_steps`
-  steps, at every bandwidth and N of `--workers`; ratios are uncompressed over the codec
+  steps, at every bandwidth and N of `--workers`, `--timing_repeats` runs interleaved (the
+  cell: their median, with the min-max); ratios are uncompressed over the codec
   at the same bandwidth and N, in the same invocation. Each setting also times the limit,
   `LIMIT`: plain Keras `fit` in one process (no strategy, no network) on the global batch
   of 32 x N rows, on the same cores.
@@ -36,6 +37,7 @@ from absl import app
 from absl import flags
 from machine import finish
 from machine import record_parts
+from machine import spread
 from machine import stamp
 
 FLAGS = flags.FLAGS
@@ -55,6 +57,8 @@ flags.DEFINE_string("accuracy_bandwidth", None, "Link rate of the accuracy runs 
                     "limit; accuracy does not depend on it, the run's length does).")
 flags.DEFINE_integer("epochs", 15, "Epochs of the accuracy runs.")
 flags.DEFINE_integer("timing_steps", 20, "Steps of each timing run.")
+flags.DEFINE_integer("timing_repeats", 3, "Timing runs of every cell (interleaved); a cell "
+                     "keeps their median and min-max.", lower_bound=1)
 flags.DEFINE_bool("without_error_feedback", True,
                   "Also run the lossy codecs' accuracy without error feedback.")
 flags.DEFINE_float("timeout", 1200.0, "Seconds one cluster run may take.")
@@ -112,6 +116,18 @@ def run(compression, workers, bandwidth, extra):
         return figures
 
 
+def _cell(runs):
+    """A timing cell from its runs: the figures of the first that ran, with the median
+    seconds per step and their min-max over every run that ran (`seconds_per_step_spread`);
+    the first error where none ran."""
+    ran = [figures for figures in runs if "seconds_per_step" in figures]
+    if not ran:
+        return runs[0]
+    steps = spread([figures["seconds_per_step"] for figures in ran])
+    return {**ran[0], "seconds_per_step": steps["median"], "seconds_per_step_spread": steps,
+            "runs": runs}
+
+
 def lossy(name):
     import tfdist
 
@@ -147,23 +163,27 @@ def main(argv):
         first = (FLAGS.bandwidths[0], int(FLAGS.workers[0]))
         for bandwidth in FLAGS.bandwidths:
             for workers in map(int, FLAGS.workers):
-                row = timing[f"{bandwidth}, N={workers}"] = {}
                 measured.append(f"timing/{bandwidth}, N={workers}")
-                for name in names + (["sgp"] if FLAGS.sgp else []) + [LIMIT]:
-                    if ((bandwidth, workers) != first and FLAGS.wide_compressors
-                            and name not in FLAGS.wide_compressors + [LIMIT]):
-                        continue
-                    row[name] = run(name, workers, bandwidth,
-                                    {"max_steps": FLAGS.timing_steps,
-                                     "config": dict(TIMING_SETTINGS.get(name, {}))})
-                    print(f"[timing {bandwidth} N={workers}] {name}: "
-                          f"{row[name].get('seconds_per_step', row[name].get('error'))}",
-                          flush=True)
+                chosen = [name for name in names + (["sgp"] if FLAGS.sgp else []) + [LIMIT]
+                          if (bandwidth, workers) == first or not FLAGS.wide_compressors
+                          or name in FLAGS.wide_compressors + [LIMIT]]
+                runs = {name: [] for name in chosen}
+                for repeat in range(FLAGS.timing_repeats):  # interleaved
+                    for name in chosen:
+                        load_before = os.getloadavg()[0]
+                        figures = run(name, workers, bandwidth,
+                                      {"max_steps": FLAGS.timing_steps,
+                                       "config": dict(TIMING_SETTINGS.get(name, {}))})
+                        runs[name].append(figures | {"load_before": load_before,
+                                                     "load_after": os.getloadavg()[0]})
+                        print(f"[timing {bandwidth} N={workers}, {repeat + 1}/"
+                              f"{FLAGS.timing_repeats}] {name}: "
+                              f"{figures.get('seconds_per_step', figures.get('error'))}",
+                              flush=True)
+                row = timing[f"{bandwidth}, N={workers}"] = {
+                    name: _cell(figures) for name, figures in runs.items()}
                 results.setdefault("timing_steps_by_setting", {})[
                     f"{bandwidth}, N={workers}"] = FLAGS.timing_steps
-                row_load = os.getloadavg()[0]
-                for figures in row.values():
-                    figures["load_average"] = row_load
                 base = row.get("none", {}).get("seconds_per_step")
                 limit = row.get(LIMIT, {}).get("seconds_per_step")
                 for figures in row.values():

@@ -32,6 +32,7 @@ from absl import app
 from absl import flags
 from machine import finish
 from machine import load_note
+from machine import spread
 from machine import stamp
 
 FLAGS = flags.FLAGS
@@ -120,13 +121,6 @@ def run_once(strategy_flags, num_ps, num_workers):
         with open(os.path.join(out_dir, "rate.json")) as f:
             return json.load(f) | {"load_before": load_before,
                                    "load_after": load_note()["load_average_1_5_15"]}
-
-
-def spread(values):
-    """Median, min and max of `values` (None where there are none)."""
-    if not values:
-        return {"median": None, "min": None, "max": None}
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def summarize(figures):

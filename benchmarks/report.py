@@ -244,7 +244,8 @@ def network_section(result):
                   "row's.", ""]
     if settings and ok:
         names = list(dict.fromkeys(name for s in settings for name in timing[s]))
-        header = ["compressor"] + [f"{s}: s/step (speed-up; of the limit)" for s in settings]
+        header = ["compressor"] + [f"{s}: s/step (min–max; speed-up; of the limit)"
+                                   for s in settings]
         by_n = {}
         for setting in settings:
             by_n.setdefault(setting.split("N=")[1], setting)
@@ -254,10 +255,7 @@ def network_section(result):
             row = [name]
             for setting in settings:
                 r = timing[setting].get(name, {})
-                limit = (f"; {r['fraction_of_limit']:.2f}" if "fraction_of_limit" in r
-                         else "")
-                row.append(f"{r['seconds_per_step']:.3f} ({r.get('speedup', 0):.1f}x{limit})"
-                           if "seconds_per_step" in r else "error" if r else "")
+                row.append(step_cell(r, timing[setting].get("none", {})))
             for setting in by_n.values():
                 r = timing[setting].get(name, {})
                 row.append(f"{int(r['bytes_on_wire']):,}, {r['compression_ratio']:.1f}x"
@@ -282,6 +280,24 @@ def network_section(result):
     return parts
 
 
+def step_cell(cell, uncompressed):
+    """"s/step (min–max; speed-up; fraction of the limit)" of a timing cell, the speed-up
+    against uncompressed's cell "no difference (...)" where their spreads cover it."""
+    if "seconds_per_step" not in cell:
+        return "error" if cell else ""
+    steps = cell.get("seconds_per_step_spread")
+    text = f"{cell['seconds_per_step']:.3f}"
+    notes = [f"{steps['min']:.3f}–{steps['max']:.3f}"] if steps else []
+    if "speedup" in cell:
+        speedup = f"{cell['speedup']:.1f}x"
+        comparison = compare(steps, uncompressed.get("seconds_per_step_spread"))
+        notes.append(f"no difference ({speedup})" if comparison and
+                     comparison["no_difference"] else speedup)
+    if "fraction_of_limit" in cell:
+        notes.append(f"{cell['fraction_of_limit']:.2f}")
+    return f"{text} ({'; '.join(notes)})" if notes else text
+
+
 def sgp_network_section(result):
     """Stochastic Gradient Push against uncompressed all-reduce on a rate-limited network
     (`benchmarks/network.py --sgp`, its own run)."""
@@ -303,13 +319,13 @@ def sgp_network_section(result):
                 r.update(bytes_on_wire=2 * 2 * (n - 1) / n * 4 * r["parameters"],
                          compression_ratio=1.0)
             rows.append([setting, label,
-                         f"{r['seconds_per_step']:.3f}" if "seconds_per_step" in r else
+                         step_cell(r, row.get("none", {})) if "seconds_per_step" in r else
                          (r.get("error", "")[:80] or ""),
                          f"{r['speedup']:.2f}x" if "speedup" in r else "",
                          f"{int(r['bytes_on_wire']):,} ({r['compression_ratio']:.2f}x)"
                          if "bytes_on_wire" in r else ""])
-    return parts + [_table(["network, N", "strategy", "s/step", "speed-up", "wire bytes/step"],
-                           rows), ""]
+    return parts + [_table(["network, N", "strategy", "s/step (min–max; speed-up; of the limit)",
+                            "speed-up", "wire bytes/step"], rows), ""]
 
 
 def _range(cell, digits=1):
@@ -412,42 +428,54 @@ def _load_text(results):
 def straggler_section(straggler):
     every = straggler.get("stall_every")
     scenarios = straggler.get("scenarios", ["persistent"])
-    parts = ["## Update rate with stragglers", "",
-             f"1 ps + {straggler['num_workers']} workers (all-reduce, SGP: no ps), digits MLP "
-             "64-64-10, batch 32 per worker, localhost, no bandwidth limit. Rate = chief's "
-             f"global steps per second over {straggler['window_seconds']:g} s; ratio = rate "
-             "with the straggler / rate without, one run each. Persistent: the last worker "
-             f"{straggler['slowdown']:g}x slower at every step."
-             + (f" Transient: the last worker stalls for {straggler['stall_steps']:g} of its "
-                f"step times once every {every} steps. Rotating: every worker stalls so, in "
-                "turn. \"paid\": the ratio if everyone paid every stall in full, K t / (K t + n d) "
-                "(t: the chief's step time without straggler, n stalls of d seconds per K "
-                "steps), what a barrier (hard sync, all-reduce) pays; for soft sync and async, "
-                "whose t is not a worker's step, only a scale. On 2 shared cores a stalled "
-                "worker also frees a core for the others: ratios above 1 are that and noise."
-                if len(scenarios) > 1 else "")
-             + _load_text(straggler), ""]
-    header = ["mode", "no straggler (updates/s)"]
+    parts = ["## Update rate with stragglers", ""]
+    if "stamp" not in straggler:
+        return parts + ["This straggler.json predates the harness (one run per cell, no "
+                        "commit, unequal work under MultiWorkerMirrored): measure it again "
+                        "with `benchmarks/run_all.py`.", ""]
+    parts += [f"1 ps + {straggler['num_workers']} workers (all-reduce, SGP: no ps), "
+              f"{straggler['job']}, {straggler['network']}. Rate = chief's global steps per "
+              f"second over {straggler['window_seconds']:g} s; ratio = rate with the "
+              "straggler / rate without, in the same repeat; median (min–max) of "
+              f"{straggler['repeats']} interleaved repeats, \"no difference\" where the "
+              "rates with and without overlap by the report's rule. \"of the limit\": "
+              "examples per second without straggler over one process's (plain Keras `fit`, "
+              "no strategy, the global batch of a synchronous update). Persistent: the last "
+              f"worker {straggler['slowdown']:g}x slower at every step."
+              + (f" Transient: the last worker stalls for {straggler['stall_steps']:g} of its "
+                 f"step times once every {every} steps. Rotating: every worker stalls so, in "
+                 "turn. \"paid\": the ratio if everyone paid every stall in full, K t / (K t "
+                 "+ n d) (t: the chief's step time without straggler, n stalls of d seconds "
+                 "per K steps), what a barrier (hard sync, all-reduce) pays; for soft sync and "
+                 "async, whose t is not a worker's step, only a scale. On shared cores a "
+                 "stalled worker also frees a core for the others: ratios above 1 are that "
+                 "and noise." if len(scenarios) > 1 else "")
+              + _load_text(straggler), ""]
+    header = ["mode", "no straggler (updates/s)", "of the limit"]
     for scenario in scenarios:
         header += [f"{scenario} (updates/s)", "ratio"]
         if scenario != "persistent":
             header.append("paid")
+    limit = straggler.get("limit", {}).get("examples_per_second")
     rows = []
     for name, r in straggler["modes"].items():
-        if "updates_per_second" not in r.get("baseline", {}):
+        if "baseline" not in r:
             rows.append([name, "does not run: " + r.get("error", "")[:120]]
                         + [""] * (len(header) - 2))
             continue
-        row = [name, f"{r['baseline']['updates_per_second']:.1f}"]
+        fraction = fraction_of_limit(r["baseline"].get("examples_per_second"), [limit])
+        row = [name, _range(r["baseline"]["updates_per_second"]),
+               "" if fraction is None else f"{fraction:.2f}"]
         for scenario in scenarios:
-            if scenario == "persistent":
-                done = {"run": r["straggler"], **r} if "rate_ratio" in r else {}
-            else:
-                done = r.get(scenario, {})
+            done = r.get(scenario, {})
             if "rate_ratio" in done:
-                row += [f"{done['run']['updates_per_second']:.1f}", f"{done['rate_ratio']:.2f}"]
+                comparison = compare(done["updates_per_second"],
+                                     r["baseline"]["updates_per_second"])
+                ratio = _range(done["rate_ratio"], 2)
+                row += [_range(done["updates_per_second"]),
+                        f"no difference ({ratio})" if comparison["no_difference"] else ratio]
             else:
-                row += ["error", (done.get("error") or r.get("error") or "")[:60]]
+                row += ["error", done.get("error", "")[:60]]
             if scenario != "persistent":
                 row.append(f"{done['ratio_if_paid']:.2f}" if "ratio_if_paid" in done else "")
         rows.append(row)

@@ -130,19 +130,30 @@ def main(argv):
     if unknown:
         raise app.UsageError(f"--only must name benchmarks among "
                              f"{', '.join([*BENCHMARKS, 'scaling'])}. Received: {unknown}")
+    failed = []
     for name, (script, sizes) in BENCHMARKS.items():
         if name not in chosen:
             continue
         _fresh(name)
         extra = ([f"--peer_python={FLAGS.peer_python}"]
                  if name == "rates" and FLAGS.peer_python else [])
-        _run(script, f"--out={_path(name)}", *sizes[FLAGS.size], *extra)
+        try:
+            _run(script, f"--out={_path(name)}", *sizes[FLAGS.size], *extra)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+            failed.append(f"{name} ({e})")  # the others still run; no JSON: no section
     if "scaling" in chosen:
         _fresh("scaling")
-        scaling = measure_scaling(*SCALING[FLAGS.size])
-        with open(_path("scaling.json"), "w") as f:
-            json.dump(scaling, f, indent=1)
+        try:
+            scaling = measure_scaling(*SCALING[FLAGS.size])
+            with open(_path("scaling.json"), "w") as f:
+                json.dump(scaling, f, indent=1)
+        except RuntimeError as e:
+            failed.append(f"scaling ({e})")
     _run("report.py", f"--out_dir={FLAGS.out_dir}")
+    if failed:
+        print("run_all: FAILED: " + "; ".join(failed), file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

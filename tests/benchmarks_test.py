@@ -90,6 +90,18 @@ class ReportTest(tf.test.TestCase):
         self.assertEqual(report.comparison_text(narrow), "1.86x")
         self.assertIsNone(report.compare({"median": None}, reference))
 
+    def test_a_step_time_inside_the_spread_is_no_speed_up(self):
+        uncompressed = {"seconds_per_step": 1.0, "speedup": 1.0,
+                        "seconds_per_step_spread": _cell(0.8, 1.0, 1.3)}
+        close = {"seconds_per_step": 0.9, "speedup": 1.0 / 0.9, "fraction_of_limit": 0.5,
+                 "seconds_per_step_spread": _cell(0.85, 0.9, 0.95)}
+        self.assertEqual(report.step_cell(close, uncompressed),
+                         "0.900 (0.850–0.950; no difference (1.1x); 0.50)")
+        fast = {"seconds_per_step": 0.1, "speedup": 10.0,
+                "seconds_per_step_spread": _cell(0.09, 0.1, 0.12)}
+        self.assertEqual(report.step_cell(fast, uncompressed), "0.100 (0.090–0.120; 10.0x)")
+        self.assertEqual(report.step_cell({"error": "boom"}, uncompressed), "error")
+
     def test_fraction_of_the_faster_limit(self):
         limits = [_cell(1000.0, 1100.0, 1200.0), _cell(2000.0, 2200.0, 2400.0), None]
         self.assertAlmostEqual(report.fraction_of_limit(_cell(550.0), limits), 0.25)
