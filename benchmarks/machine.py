@@ -98,3 +98,25 @@ def spread(values):
     if not values:
         return {"median": None, "min": None, "max": None}
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def run_cluster(command, timeout, **kwargs):
+    """Runs `command` on a `LocalCluster` until it ends; `(result, lines)`.
+
+    A benchmark is not a test: on busy cores a ps may take more than the launcher's default
+    30 s to start, so the tasks get the run's whole `timeout` to start listening, and a
+    cluster that never starts is a failed run (a `LocalClusterResult` saying so), not a
+    traceback that ends the benchmark.
+    """
+    from tfdist.cluster import TaskUnreachableError
+    from tfdist.launch import LocalCluster
+    from tfdist.launch import LocalClusterResult
+
+    cluster = LocalCluster(command, timeout=timeout, startup_timeout=timeout, output=None,
+                           **kwargs)
+    try:
+        with cluster:
+            return cluster.wait(), cluster.lines
+    except TaskUnreachableError as e:
+        return LocalClusterResult(returncode=1, message=f"the cluster did not start: {e}"), \
+            cluster.lines

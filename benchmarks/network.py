@@ -37,6 +37,7 @@ from absl import app
 from absl import flags
 from machine import finish
 from machine import record_parts
+from machine import run_cluster
 from machine import spread
 from machine import stamp
 
@@ -87,8 +88,6 @@ TIMING_SETTINGS = {"dgc": {"warmup_steps": 0}}
 def run(compression, workers, bandwidth, extra):
     """One cluster run; the chief's JSON (or {"error": ...}). `compression` "sgp": Stochastic
     Gradient Push, uncompressed."""
-    from tfdist.launch import LocalCluster
-
     if compression == "sgp":
         compression, extra = "none", {**extra, "strategy": "sgp"}
     if compression == LIMIT:  # one process, the global batch, no network to limit
@@ -103,12 +102,11 @@ def run(compression, workers, bandwidth, extra):
                    f"--compression={compression}", f"--compression_config={json.dumps(config)}",
                    *[f"--{k}={v}" for k, v in extra.items()]]
         start = time.perf_counter()
-        with LocalCluster(command, num_ps=0, num_workers=workers, timeout=FLAGS.timeout,
-                          output=None, bandwidth=bandwidth,
-                          topology=FLAGS.topology if bandwidth else None) as cluster:
-            result = cluster.wait()
+        result, lines = run_cluster(command, FLAGS.timeout, num_ps=0, num_workers=workers,
+                                    bandwidth=bandwidth,
+                                    topology=FLAGS.topology if bandwidth else None)
         if result.returncode or not os.path.exists(out):
-            tail = " | ".join(line for _, line in list(cluster.lines)[-4:])
+            tail = " | ".join(line for _, line in lines[-4:])
             return {"error": f"{result.message}: {tail}"[:600]}
         with open(out) as f:
             figures = json.load(f)

@@ -24,6 +24,7 @@ from absl import app
 from absl import flags
 from machine import finish
 from machine import record_parts
+from machine import run_cluster
 from machine import stamp
 
 FLAGS = flags.FLAGS
@@ -73,8 +74,6 @@ def outer():
 
 
 def _run(flags_, seed, num_workers=None):
-    from tfdist.launch import LocalCluster
-
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
         command = [sys.executable, EXAMPLE, f"--output_json={path}", f"--seed={seed}",
@@ -83,11 +82,10 @@ def _run(flags_, seed, num_workers=None):
             subprocess.run(command, check=True, capture_output=True, timeout=FLAGS.timeout)
         else:
             num_ps = 0 if "--strategy=sgp" in flags_ else 1
-            with LocalCluster(command, num_ps=num_ps, num_workers=num_workers,
-                              timeout=FLAGS.timeout, output=None) as cluster:
-                result = cluster.wait()
+            result, lines = run_cluster(command, FLAGS.timeout, num_ps=num_ps,
+                                        num_workers=num_workers)
             if result.returncode:
-                tail = "\n".join(line for _, line in cluster.lines[-20:])
+                tail = "\n".join(line for _, line in lines[-20:])
                 raise RuntimeError(f"{flags_} on {num_workers} workers failed: "
                                    f"{result.message}\n{tail}")
         with open(path) as f:

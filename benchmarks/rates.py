@@ -32,6 +32,7 @@ from absl import app
 from absl import flags
 from machine import finish
 from machine import load_note
+from machine import run_cluster
 from machine import spread
 from machine import stamp
 
@@ -103,8 +104,6 @@ def run_peer(peer_flags, num_workers):
 
 
 def run_once(strategy_flags, num_ps, num_workers):
-    from tfdist.launch import LocalCluster
-
     if num_ps is None:
         return run_peer(strategy_flags, num_workers)
     load_before = load_note()["load_average_1_5_15"]
@@ -112,11 +111,10 @@ def run_once(strategy_flags, num_ps, num_workers):
         command = [sys.executable, os.path.join(HERE, "ps_worker.py"), f"--out_dir={out_dir}",
                    f"--window={FLAGS.window}", f"--warmup={FLAGS.warmup}",
                    f"--batch_size={FLAGS.batch_size}", *strategy_flags]
-        with LocalCluster(command, num_ps=num_ps, num_workers=num_workers,
-                          timeout=FLAGS.timeout, output=None) as cluster:
-            result = cluster.wait()
+        result, lines = run_cluster(command, FLAGS.timeout, num_ps=num_ps,
+                                    num_workers=num_workers)
         if result.returncode:
-            tail = " | ".join(line for _, line in cluster.lines[-5:])
+            tail = " | ".join(line for _, line in lines[-5:])
             return {"error": f"{result.message}: {tail}"[:500]}
         with open(os.path.join(out_dir, "rate.json")) as f:
             return json.load(f) | {"load_before": load_before,

@@ -21,6 +21,7 @@ import tempfile
 from absl import app
 from absl import flags
 from machine import finish
+from machine import run_cluster
 from machine import stamp
 
 FLAGS = flags.FLAGS
@@ -39,7 +40,8 @@ flags.DEFINE_float("run_timeout", 4 * 3600.0, "Seconds each benchmark may take."
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# benchmark -> (script, {size: flags})
+# benchmark -> (script, {size: flags (None: not at that size)}, result file (default: its
+# name; a second benchmark of a file adds settings to it, in the same run))
 BENCHMARKS = {
     "rates": ("rates.py", {
         "quick": ["--num_workers=2", "--repeats=3", "--window=2", "--warmup=1",
@@ -61,6 +63,10 @@ BENCHMARKS = {
         "quick": ["--compressors=none,topk", "--workers=2", "--bandwidths=100mbit",
                   "--epochs=1", "--timing_steps=5", "--nowithout_error_feedback"],
         "full": []}),
+    "network_n8": ("network.py", {
+        "quick": None,
+        "full": ["--compressors=none,topk,powersgd,qsgd", "--workers=8", "--bandwidths=1gbit",
+                 "--parts=timing"]}, "network"),
     "network_sgp": ("network.py", {
         "quick": ["--sgp", "--compressors=none", "--workers=2", "--bandwidths=100mbit",
                   "--timing_steps=5", "--parts=timing"],
@@ -90,14 +96,10 @@ def _run(script, *args):
 
 def _ps_rate(strategy_flags, num_ps, num_workers, window):
     """Updates per second of one ps_worker.py run on a local cluster."""
-    from tfdist.launch import LocalCluster
-
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, os.path.join(HERE, "ps_worker.py"), f"--out_dir={out}",
                    f"--window={window}", *strategy_flags]
-        with LocalCluster(command, num_ps=num_ps, num_workers=num_workers, output=None,
-                          timeout=FLAGS.run_timeout) as cluster:
-            result = cluster.wait()
+        result, _ = run_cluster(command, 600.0, num_ps=num_ps, num_workers=num_workers)
         if result.returncode:
             raise RuntimeError(f"{' '.join(strategy_flags)} on {num_workers} workers failed: "
                                f"{result.message}")
@@ -131,14 +133,18 @@ def main(argv):
         raise app.UsageError(f"--only must name benchmarks among "
                              f"{', '.join([*BENCHMARKS, 'scaling'])}. Received: {unknown}")
     failed = []
-    for name, (script, sizes) in BENCHMARKS.items():
-        if name not in chosen:
+    written = set()
+    for name, (script, sizes, *file) in BENCHMARKS.items():
+        if name not in chosen or sizes[FLAGS.size] is None:
             continue
-        _fresh(name)
+        file = file[0] if file else name
+        if file not in written:
+            _fresh(file)
+            written.add(file)
         extra = ([f"--peer_python={FLAGS.peer_python}"]
                  if name == "rates" and FLAGS.peer_python else [])
         try:
-            _run(script, f"--out={_path(name)}", *sizes[FLAGS.size], *extra)
+            _run(script, f"--out={_path(file)}", *sizes[FLAGS.size], *extra)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
             failed.append(f"{name} ({e})")  # the others still run; no JSON: no section
     if "scaling" in chosen:

@@ -35,6 +35,7 @@ from absl import app
 from absl import flags
 from machine import finish
 from machine import load_note
+from machine import run_cluster
 from machine import spread
 from machine import stamp
 
@@ -59,8 +60,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _run(strategy_flags, num_ps, straggler_delay=0.0, stall_ranks=(), stall_seconds=0.0,
          num_workers=None):
-    from tfdist.launch import LocalCluster
-
     num_workers = num_workers or FLAGS.num_workers
     straggler = FLAGS.num_workers - 1 if straggler_delay else -1
     stall = ([f"--stall_ranks={','.join(str(r) for r in stall_ranks)}",
@@ -70,11 +69,10 @@ def _run(strategy_flags, num_ps, straggler_delay=0.0, stall_ranks=(), stall_seco
         command = [sys.executable, os.path.join(HERE, "ps_worker.py"), f"--out_dir={out_dir}",
                    f"--window={FLAGS.window}", f"--straggler_rank={straggler}",
                    f"--straggler_delay={straggler_delay}", *stall, *strategy_flags]
-        with LocalCluster(command, num_ps=num_ps, num_workers=num_workers,
-                          timeout=FLAGS.timeout, output=None) as cluster:
-            result = cluster.wait()
+        result, lines = run_cluster(command, FLAGS.timeout, num_ps=num_ps,
+                                    num_workers=num_workers)
         if result.returncode:
-            lines = [line.strip() for _, line in cluster.lines]
+            lines = [line.strip() for _, line in lines]
             starts = [i for i, line in enumerate(lines) if line.split(":")[0].endswith("Error")]
             error = " ".join(lines[starts[-1]:starts[-1] + 3]) if starts else result.message
             return {"error": error[:400]}
