@@ -154,6 +154,12 @@ class StopAfter(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
+@flags.validator("max_steps", message=f"--max_steps must be above {SKIP + 1}: the first {SKIP} "
+                 "steps are left out of the timing, which needs two steps after them")
+def _check_max_steps(value):
+    return value is None or value > SKIP + 1
+
+
 if __name__ == "__main__":
     flags.mark_flag_as_required("out")
     app.run(main)

@@ -533,7 +533,8 @@ def scaling_section(scaling, capacity_result, sources):
         if limit:
             row.append("" if best is None else f"{best:.1f}")
         rows.append(row)
-    parts += ["Update rates, 1 ps, one run per cell; \"of the limit\": examples per second "
+    parts += [f"Update rates, 1 ps, median of {scaling.get('repeats', 1)} interleaved run(s) "
+              "per cell; \"of the limit\": examples per second "
               "over those of one process (plain Keras `fit`, no strategy, the same cores) on "
               "the global batch of a hard-sync update, 32 x M rows (hard sync: 32 x M rows an "
               "update, async: 32)." + _load_text(scaling), ""]

@@ -22,6 +22,7 @@ from absl import app
 from absl import flags
 from machine import finish
 from machine import run_cluster
+from machine import spread
 from machine import stamp
 
 FLAGS = flags.FLAGS
@@ -61,7 +62,7 @@ BENCHMARKS = {
         "full": []}),
     "network": ("network.py", {
         "quick": ["--compressors=none,topk", "--workers=2", "--bandwidths=100mbit",
-                  "--epochs=1", "--timing_steps=5", "--nowithout_error_feedback"],
+                  "--epochs=1", "--timing_steps=10", "--nowithout_error_feedback"],
         "full": []}),
     "network_n8": ("network.py", {
         "quick": None,
@@ -69,7 +70,7 @@ BENCHMARKS = {
                  "--parts=timing"]}, "network"),
     "network_sgp": ("network.py", {
         "quick": ["--sgp", "--compressors=none", "--workers=2", "--bandwidths=100mbit",
-                  "--timing_steps=5", "--parts=timing"],
+                  "--timing_steps=10", "--parts=timing"],
         "full": ["--sgp", "--compressors=none", "--workers=4", "--bandwidths=100mbit",
                  "--parts=timing"]}),
 }
@@ -107,20 +108,25 @@ def _ps_rate(strategy_flags, num_ps, num_workers, window):
             return json.load(f)["updates_per_second"]
 
 
-def measure_scaling(worker_counts, window):
+def measure_scaling(worker_counts, window, repeats=3):
     """Hard-sync and async update rates at each worker count (1 ps), and the one-process
-    limit at each count's global batch (32 x M rows)."""
-    run_stamp = stamp({"worker_counts": worker_counts, "window": window})
-    results = {mode: {} for mode in ("hard sync", "async", LIMIT_MODE)}
-    for m in worker_counts:
-        for mode, strategy_flags, num_ps, workers in (
-                ("hard sync", ["--strategy=soft_sync"], 1, m),
-                ("async", ["--strategy=async"], 1, m),
-                (LIMIT_MODE, ["--no_strategy", f"--batch_size={32 * m}"], 0, 1)):
-            results[mode][str(m)] = _ps_rate(strategy_flags, num_ps, workers, window)
-            print(f"scaling: {mode}, {m} workers: {results[mode][str(m)]:.1f} updates/s",
-                  flush=True)
-    results["stamp"] = finish(run_stamp)
+    limit at each count's global batch (32 x M rows): the median of `repeats` interleaved
+    runs (every run in `runs`)."""
+    run_stamp = stamp({"worker_counts": worker_counts, "window": window, "repeats": repeats})
+    runs = {mode: {str(m): [] for m in worker_counts}
+            for mode in ("hard sync", "async", LIMIT_MODE)}
+    for _ in range(repeats):
+        for m in worker_counts:
+            for mode, strategy_flags, num_ps, workers in (
+                    ("hard sync", ["--strategy=soft_sync"], 1, m),
+                    ("async", ["--strategy=async"], 1, m),
+                    (LIMIT_MODE, ["--no_strategy", f"--batch_size={32 * m}"], 0, 1)):
+                rate = _ps_rate(strategy_flags, num_ps, workers, window)
+                runs[mode][str(m)].append(rate)
+                print(f"scaling: {mode}, {m} workers: {rate:.1f} updates/s", flush=True)
+    results = {mode: {m: spread(rates)["median"] for m, rates in by_m.items()}
+               for mode, by_m in runs.items()}
+    results.update(runs=runs, repeats=repeats, stamp=finish(run_stamp))
     return results
 
 
