@@ -288,7 +288,7 @@ def step_cell(cell, uncompressed):
     steps = cell.get("seconds_per_step_spread")
     text = f"{cell['seconds_per_step']:.3f}"
     notes = [f"{steps['min']:.3f}–{steps['max']:.3f}"] if steps else []
-    if "speedup" in cell:
+    if "speedup" in cell and cell is not uncompressed:
         speedup = f"{cell['speedup']:.1f}x"
         comparison = compare(steps, uncompressed.get("seconds_per_step_spread"))
         notes.append(f"no difference ({speedup})" if comparison and
@@ -304,7 +304,7 @@ def sgp_network_section(result):
     parts = ["## Stochastic Gradient Push on a slow network", "",
              f"`benchmarks/network.py --sgp --compressors=none`: {result['job']}; "
              f"{result['network']}; {result['machine']}. Median seconds per step of the chief "
-             f"over {result.get('timing_steps', '?')} steps, both rows in the same run; "
+             f"over {_timing_steps(result)} steps, both rows in the same run; "
              "speed-up = all-reduce's step time over SGP's. Wire bytes: what one worker sends "
              "and receives per step (SGP: its one message out, one in; all-reduce: the dense "
              "ring's 2 x 2 (N - 1) / N x 4 bytes per parameter, computed); ratio: the dense ring "
