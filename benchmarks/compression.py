@@ -32,6 +32,9 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
+from machine import finish  # noqa: E402
+from machine import record_parts  # noqa: E402
+from machine import stamp  # noqa: E402
 
 import tfdist  # noqa: E402
 
@@ -403,10 +406,14 @@ def main(argv):
     if set(FLAGS.parts) != {"exchange", "accuracy"}:
         with open(FLAGS.out + ".json") as f:
             result = json.load(f)
+    run_stamp = stamp()
     if "exchange" in FLAGS.parts:
         result["exchange"] = measure_exchange(names, steps, repeats)
     if "accuracy" in FLAGS.parts:
         result["accuracy"] = measure_accuracy(names, seeds, epochs)
+    record_parts(result, run_stamp, FLAGS.parts,
+                 kept=[p for p in ("exchange", "accuracy") if p in result and p not in FLAGS.parts])
+    result["stamp"] = finish(run_stamp)
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(result, f, indent=1)
     plot(result, FLAGS.out + ".png")

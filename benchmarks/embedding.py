@@ -51,10 +51,11 @@ import embedding_job as job
 from absl import app
 from absl import flags
 from machine import available_memory_bytes
+from machine import finish
 from machine import load_note
 from machine import loopback_counters
-from machine import machine_note
 from machine import peak_resident_bytes
+from machine import stamp
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["100000", "1000000", "10000000"], "V: rows of the large table.")
@@ -286,14 +287,6 @@ def summarize(runs):
     return out
 
 
-def _commit():
-    def git(*args):
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
-                              text=True).stdout.strip()
-
-    return {"sha": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain"))}
-
-
 def _cells():
     cells = []
     for system in FLAGS.systems:
@@ -325,13 +318,14 @@ def main(argv):
     del argv
     _apply_quick()
     rows_list, cells = [int(v) for v in FLAGS.rows], _cells()
-    results = {"commit": _commit(), "machine": machine_note(), "load_before": load_note(),
-               "settings": {name: FLAGS[name].value for name in
-                            ("rows", "workers", "ps", "systems", "repeats", "warmup", "window",
-                             "quality_examples", "batch_size", "steps_per_execution",
-                             "embedding_tables", "quick")}
-               | {"peer": bool(FLAGS.peer_python), "train_examples": TRAIN_EXAMPLES,
-                  "job": job.DESCRIPTION},
+    settings = ({name: FLAGS[name].value for name in
+                 ("rows", "workers", "ps", "systems", "repeats", "warmup", "window",
+                  "quality_examples", "batch_size", "steps_per_execution", "embedding_tables",
+                  "quick")}
+                | {"peer": bool(FLAGS.peer_python), "train_examples": TRAIN_EXAMPLES,
+                   "job": job.DESCRIPTION})
+    # The commit, machine and load (machine.stamp), as every benchmark's JSON carries them.
+    results = {"stamp": stamp(settings), "settings": settings,
                "estimates": {str(rows): estimates(rows) for rows in rows_list}, "cells": []}
     runs = {(cell, rows): [] for rows in rows_list for cell in cells}
     for repeat in range(FLAGS.repeats):
@@ -354,7 +348,7 @@ def main(argv):
         results["cells"].append({"system": system, "label": SYSTEMS[system],
                                  "workers": workers, "ps": num_ps, "rows": rows,
                                  **summarize(cell_runs), "runs": cell_runs})
-    results["load_after"] = load_note()
+    results["stamp"] = finish(results["stamp"])
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(results, f, indent=1)

@@ -84,8 +84,8 @@ def _coordinate(cluster, servers):
         return {"loopback_tx_bytes": loopback_counters()["loopback_tx_bytes"]}
 
     # A long epoch, as a user after throughput sets it: no wait for every step in the window.
-    rate = tf_keras_peer.fit_and_measure(tf_keras, model, data, FLAGS.steps_per_execution,
-                                         loopback_bytes, 1000 * FLAGS.steps_per_execution)
+    rate = tf_keras_peer.fit_and_measure(tf_keras, model, data, loopback_bytes,
+                                         1000 * FLAGS.steps_per_execution)
     peaks = {name: peak_resident_bytes(server.pid) for name, server in servers.items()}
     return {"rate": rate | {"pushes_per_second": rate["updates_per_second"]},
             "quality": {"loss": float(loss), "accuracy": float(accuracy),

@@ -1,6 +1,10 @@
-"""What a benchmark's figures depend on besides its settings: the machine and its load."""
+"""What a benchmark's figures depend on besides its settings: the code, the machine, its load."""
 
 import os
+import platform
+import subprocess
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def load_note():
@@ -10,11 +14,113 @@ def load_note():
             "cpus": os.cpu_count()}
 
 
+def _git(*args):
+    done = subprocess.run(["git", "-C", HERE, *args], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def code_note():
+    """The commit the benchmarks run from, and whether the code that runs (tfdist/ and
+    benchmarks/, the results directory aside: a run writes there) differed from it."""
+    commit = _git("rev-parse", "HEAD")
+    root = os.path.dirname(HERE)
+    status = _git("status", "--porcelain", "--untracked-files=no", "--",
+                  os.path.join(root, "tfdist"), HERE,
+                  ":(exclude)" + os.path.join(HERE, "results"))
+    return {"commit": commit or "unknown", "dirty": bool(status) if status is not None else None}
+
+
 def machine_note():
-    """Cores and memory of this machine."""
-    with open("/proc/meminfo") as f:
-        total_kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
-    return {"cpus": os.cpu_count(), "memory_bytes": 1024 * total_kib}
+    """Cores, memory and CPU model of this machine."""
+    model = platform.processor() or platform.machine()
+    memory_bytes = memory_gib = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), model)
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+            memory_bytes, memory_gib = 1024 * kib, round(kib / 2**20, 1)
+    except (OSError, StopIteration, ValueError):
+        pass
+    return {"cpus": os.cpu_count(), "memory_bytes": memory_bytes, "memory_gib": memory_gib,
+            "cpu_model": model,
+            "system": platform.platform()}
+
+
+def stamp(settings=None):
+    """What a benchmark's JSON carries beside its figures: the commit (and whether the tree
+    was dirty), the machine and its load at the start, and the run's `settings` (a dict).
+    `finish(stamp)` adds the load at the end. `settings` None: `script_settings()`."""
+    settings = script_settings() if settings is None else settings
+    return {**code_note(), "machine": machine_note(), "settings": settings,
+            "load_before": load_note()["load_average_1_5_15"]}
+
+
+def finish(run_stamp):
+    """`run_stamp` with the load average at the end of the run."""
+    return {**run_stamp, "load_after": load_note()["load_average_1_5_15"]}
+
+
+def script_settings():
+    """The values of the flags the running script (`__main__`) defines, for `stamp`."""
+    import sys
+
+    from absl import flags
+
+    own = flags.FLAGS.flags_by_module_dict().get(sys.argv[0], [])
+    return {flag.name: flag.value for flag in own}
+
+
+def commit_label(run_stamp):
+    """"<12 hex digits>", with "+dirty" where the tree had uncommitted changes; "not
+    recorded" for results without a stamp."""
+    if not run_stamp or run_stamp.get("commit") in (None, "unknown"):
+        return "not recorded"
+    return run_stamp["commit"][:12] + ("+dirty" if run_stamp.get("dirty") else "")
+
+
+def record_parts(results, run_stamp, measured, kept=()):
+    """Notes in `results["part_commits"]` the commit that measured each part of a result
+    file (keys of the script's choosing): `measured` by this run, `kept` from the earlier
+    run whose figures `results` still holds (call it before replacing `results["stamp"]`).
+    A report then never mixes parts of different commits unseen."""
+    earlier = commit_label(results.get("stamp"))
+    commits = {part: results.get("part_commits", {}).get(part, earlier) for part in kept}
+    commits.update({part: commit_label(run_stamp) for part in measured})
+    results["part_commits"] = commits
+
+
+def spread(values):
+    """Median, min and max of a cell's runs (None each where there are none)."""
+    import statistics
+
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def run_cluster(command, timeout, **kwargs):
+    """Runs `command` on a `LocalCluster` until it ends; `(result, lines)`.
+
+    A benchmark is not a test: on busy cores a ps may take more than the launcher's default
+    30 s to start, so the tasks get the run's whole `timeout` to start listening, and a
+    cluster that never starts is a failed run (a `LocalClusterResult` saying so), not a
+    traceback that ends the benchmark.
+    """
+    from tfdist.cluster import TaskUnreachableError
+    from tfdist.launch import LocalCluster
+    from tfdist.launch import LocalClusterResult
+
+    cluster = LocalCluster(command, timeout=timeout, startup_timeout=timeout, output=None,
+                           **kwargs)
+    try:
+        with cluster:
+            return cluster.wait(), cluster.lines
+    except TaskUnreachableError as e:
+        return LocalClusterResult(returncode=1, message=f"the cluster did not start: {e}"), \
+            cluster.lines
 
 
 def available_memory_bytes():

@@ -7,20 +7,24 @@ uncompressed, on local clusters whose network is rate-limited (`LocalCluster(ban
 
 Job (`network_worker.py`): a CNN on digits with 1.08 M parameters (two convolutions, a
 512 x 2048 dense layer), batch 32 per worker, SGD, tfdist's MultiWorkerMirroredStrategy with
-`compression=<codec>`, every task in one private network namespace whose loopback is limited
-to `--bandwidths` (tc's token bucket). Every task's traffic crosses that one link, as machines
-on one hub: the limit is shared by the N workers, not given to each.
+`compression=<codec>`, on a local cluster whose network is limited to `--bandwidths` (tc's
+token bucket): `--topology=switched` (default) gives every worker a link of that rate of its
+own, each way, as machines on a switch; `--topology=hub` puts every task on one loopback of
+that rate, shared by the N workers as on a hub.
 
 * Step time: median seconds per step of the chief over a timing run of `--timing_steps`
-  steps, at every bandwidth and N of `--workers`; ratios are uncompressed over the codec
-  at the same bandwidth and N, in the same invocation.
+  steps, at every bandwidth and N of `--workers`, `--timing_repeats` runs interleaved (the
+  cell: their median, with the min-max); ratios are uncompressed over the codec
+  at the same bandwidth and N, in the same invocation. Each setting also times the limit,
+  `LIMIT`: plain Keras `fit` in one process (no strategy, no network) on the global batch
+  of 32 x N rows, on the same cores.
 * Accuracy: a full run (`--epochs`) of every codec at N = `--accuracy_workers` (by default
   with no rate limit: it changes the time, not the numbers), with the loss of every epoch;
   lossy codecs also without error feedback.
 
-The 2 cores of this machine are shared by every worker: compute-bound steps (those the
-compressed exchanges reach) are slower here than on N machines, so the speed-ups are
-conservative. Writes <out>.json and <out>.png.
+The cores of this machine are shared by every worker: compute-bound steps (those the
+compressed exchanges reach) are slower here than on N machines. Writes <out>.json and
+<out>.png.
 """
 
 import json
@@ -31,13 +35,20 @@ import time
 
 from absl import app
 from absl import flags
-from machine import load_note
+from machine import finish
+from machine import record_parts
+from machine import run_cluster
+from machine import spread
+from machine import stamp
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", os.path.join("benchmarks", "results", "network"),
                     "Output path without extension.")
 flags.DEFINE_list("compressors", None, "Compressors (default: none and every registered).")
 flags.DEFINE_list("bandwidths", ["100mbit", "1gbit"], "Link rates (tc units).")
+flags.DEFINE_enum("topology", "switched", ["switched", "hub"],
+                  "switched: every task a link of the rate of its own; hub: one link of the "
+                  "rate shared by every task.")
 flags.DEFINE_list("workers", ["2", "4"], "Worker counts N of the timing runs.")
 flags.DEFINE_list("wide_compressors", None,
                   "Compressors timed at every bandwidth and N; the others only at the first "
@@ -47,6 +58,8 @@ flags.DEFINE_string("accuracy_bandwidth", None, "Link rate of the accuracy runs 
                     "limit; accuracy does not depend on it, the run's length does).")
 flags.DEFINE_integer("epochs", 15, "Epochs of the accuracy runs.")
 flags.DEFINE_integer("timing_steps", 20, "Steps of each timing run.")
+flags.DEFINE_integer("timing_repeats", 3, "Timing runs of every cell (interleaved); a cell "
+                     "keeps their median and min-max.", lower_bound=1)
 flags.DEFINE_bool("without_error_feedback", True,
                   "Also run the lossy codecs' accuracy without error feedback.")
 flags.DEFINE_float("timeout", 1200.0, "Seconds one cluster run may take.")
@@ -57,6 +70,7 @@ flags.DEFINE_multi_enum("parts", ["timing", "accuracy"], ["timing", "accuracy"],
                         "Parts to run; the others are kept from an existing <out>.json.")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+LIMIT = "one process, no strategy"
 # What each compressor runs with (the papers' settings where the issue names none).
 SETTINGS = {
     "topk": {"ratio": 0.01},
@@ -74,10 +88,12 @@ TIMING_SETTINGS = {"dgc": {"warmup_steps": 0}}
 def run(compression, workers, bandwidth, extra):
     """One cluster run; the chief's JSON (or {"error": ...}). `compression` "sgp": Stochastic
     Gradient Push, uncompressed."""
-    from tfdist.launch import LocalCluster
-
     if compression == "sgp":
         compression, extra = "none", {**extra, "strategy": "sgp"}
+    if compression == LIMIT:  # one process, the global batch, no network to limit
+        compression, bandwidth = "none", None
+        extra = {**extra, "strategy": "none", "batch_per_worker": 32 * workers}
+        workers = 1
     config = dict(SETTINGS.get(compression, {}))
     config.update(extra.pop("config", {}))
     with tempfile.TemporaryDirectory() as out_dir:
@@ -86,16 +102,28 @@ def run(compression, workers, bandwidth, extra):
                    f"--compression={compression}", f"--compression_config={json.dumps(config)}",
                    *[f"--{k}={v}" for k, v in extra.items()]]
         start = time.perf_counter()
-        with LocalCluster(command, num_ps=0, num_workers=workers, timeout=FLAGS.timeout,
-                          output=None, bandwidth=bandwidth) as cluster:
-            result = cluster.wait()
+        result, lines = run_cluster(command, FLAGS.timeout, num_ps=0, num_workers=workers,
+                                    bandwidth=bandwidth,
+                                    topology=FLAGS.topology if bandwidth else None)
         if result.returncode or not os.path.exists(out):
-            tail = " | ".join(line for _, line in list(cluster.lines)[-4:])
+            tail = " | ".join(line for _, line in lines[-4:])
             return {"error": f"{result.message}: {tail}"[:600]}
         with open(out) as f:
             figures = json.load(f)
         figures["wall_seconds"] = time.perf_counter() - start
         return figures
+
+
+def _cell(runs):
+    """A timing cell from its runs: the figures of the first that ran, with the median
+    seconds per step and their min-max over every run that ran (`seconds_per_step_spread`);
+    the first error where none ran."""
+    ran = [figures for figures in runs if "seconds_per_step" in figures]
+    if not ran:
+        return runs[0]
+    steps = spread([figures["seconds_per_step"] for figures in ran])
+    return {**ran[0], "seconds_per_step": steps["median"], "seconds_per_step_spread": steps,
+            "runs": runs}
 
 
 def lossy(name):
@@ -110,18 +138,22 @@ def main(argv):
 
     names = FLAGS.compressors or ["none", *[n for n in tfdist.compression.names()
                                             if n != "none"]]
-    load_before = load_note()
+    run_stamp = stamp()
     results = {}
     if os.path.exists(FLAGS.out + ".json"):
         with open(FLAGS.out + ".json") as f:
             results = json.load(f)
+    measured = []
     results.update({
         "job": "digits CNN, 1.08 M parameters, batch 32 per worker, SGD, tfdist "
                "MultiWorkerMirroredStrategy" + (" (row sgp: StochasticGradientPushStrategy, "
                                                  "exponential graph, 1 peer, overlap)"
                                                  if FLAGS.sgp else ""),
-        "network": "one private namespace, loopback limited by tc tbf (shared by all tasks)",
-        "settings": SETTINGS, "machine": "2 cores shared by every task"})
+        "network": ("a private namespace per task on a bridge, every link limited by tc tbf "
+                    "(machines on a switch)" if FLAGS.topology == "switched" else
+                    "one private namespace, loopback limited by tc tbf (a hub: its rate shared "
+                    "by all tasks)"),
+        "settings": SETTINGS, "machine": "every task on this machine's cores"})
     if "timing" in FLAGS.parts:
         # A run replaces the settings (bandwidth, N) it measures and keeps the others: each
         # row's ratios come from one run, and `--workers=8` can be added to a 2/4 run.
@@ -129,28 +161,37 @@ def main(argv):
         first = (FLAGS.bandwidths[0], int(FLAGS.workers[0]))
         for bandwidth in FLAGS.bandwidths:
             for workers in map(int, FLAGS.workers):
-                row = timing[f"{bandwidth}, N={workers}"] = {}
-                for name in names + (["sgp"] if FLAGS.sgp else []):
-                    if ((bandwidth, workers) != first and FLAGS.wide_compressors
-                            and name not in FLAGS.wide_compressors):
-                        continue
-                    row[name] = run(name, workers, bandwidth,
-                                    {"max_steps": FLAGS.timing_steps,
-                                     "config": dict(TIMING_SETTINGS.get(name, {}))})
-                    print(f"[timing {bandwidth} N={workers}] {name}: "
-                          f"{row[name].get('seconds_per_step', row[name].get('error'))}",
-                          flush=True)
+                measured.append(f"timing/{bandwidth}, N={workers}")
+                chosen = [name for name in names + (["sgp"] if FLAGS.sgp else []) + [LIMIT]
+                          if (bandwidth, workers) == first or not FLAGS.wide_compressors
+                          or name in FLAGS.wide_compressors + [LIMIT]]
+                runs = {name: [] for name in chosen}
+                for repeat in range(FLAGS.timing_repeats):  # interleaved
+                    for name in chosen:
+                        load_before = os.getloadavg()[0]
+                        figures = run(name, workers, bandwidth,
+                                      {"max_steps": FLAGS.timing_steps,
+                                       "config": dict(TIMING_SETTINGS.get(name, {}))})
+                        runs[name].append(figures | {"load_before": load_before,
+                                                     "load_after": os.getloadavg()[0]})
+                        print(f"[timing {bandwidth} N={workers}, {repeat + 1}/"
+                              f"{FLAGS.timing_repeats}] {name}: "
+                              f"{figures.get('seconds_per_step', figures.get('error'))}",
+                              flush=True)
+                row = timing[f"{bandwidth}, N={workers}"] = {
+                    name: _cell(figures) for name, figures in runs.items()}
                 results.setdefault("timing_steps_by_setting", {})[
                     f"{bandwidth}, N={workers}"] = FLAGS.timing_steps
-                row_load = os.getloadavg()[0]
-                for figures in row.values():
-                    figures["load_average"] = row_load
                 base = row.get("none", {}).get("seconds_per_step")
+                limit = row.get(LIMIT, {}).get("seconds_per_step")
                 for figures in row.values():
                     if base and figures.get("seconds_per_step"):
                         figures["speedup"] = base / figures["seconds_per_step"]
+                    if limit and figures.get("seconds_per_step"):
+                        figures["fraction_of_limit"] = limit / figures["seconds_per_step"]
         results["timing"] = timing
     if "accuracy" in FLAGS.parts:
+        measured.append("accuracy")
         accuracy = {}
         bandwidth = FLAGS.accuracy_bandwidth
         for name in names:
@@ -170,7 +211,11 @@ def main(argv):
         results["accuracy"] = accuracy
         results["accuracy_setting"] = {"workers": FLAGS.accuracy_workers,
                                        "epochs": FLAGS.epochs, "bandwidth": bandwidth}
-    results.update(load_before=load_before, load_after=load_note())
+    every = [f"timing/{s}" for s in results.get("timing", {})] + (
+        ["accuracy"] if "accuracy" in results else [])
+    record_parts(results, run_stamp, measured, kept=[p for p in every if p not in measured])
+    results["stamp"] = finish(run_stamp)
+    results["topology"] = FLAGS.topology
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(results, f, indent=1)

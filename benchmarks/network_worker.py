@@ -28,8 +28,10 @@ flags.DEFINE_integer("max_steps", None, "Stop after this many steps (timing-only
 flags.DEFINE_integer("batch_per_worker", 32, "Batch size per worker.")
 flags.DEFINE_float("learning_rate", 0.1, "SGD learning rate.")
 flags.DEFINE_integer("seed", 0, "Seed of the weights and of the data order.")
-flags.DEFINE_enum("strategy", "multi_worker_mirrored", ["multi_worker_mirrored", "sgp"],
-                  "The strategy: all-reduce (with --compression) or Stochastic Gradient Push.")
+flags.DEFINE_enum("strategy", "multi_worker_mirrored", ["multi_worker_mirrored", "sgp", "none"],
+                  "The strategy: all-reduce (with --compression), Stochastic Gradient Push, or "
+                  "none: plain Keras `fit` in one process (the limit; give it the global "
+                  "batch as --batch_per_worker).")
 
 SKIP = 5  # steps left out of the timing (tracing, the first collectives)
 
@@ -64,7 +66,12 @@ def main(argv):
     compression = (None if FLAGS.compression in (None, "none")
                    else tfdist.compression.get(FLAGS.compression, **config))
     gossip = FLAGS.strategy == "sgp"
-    if gossip:
+    alone = FLAGS.strategy == "none"
+    if alone:
+        if compression is not None:
+            raise app.UsageError("--strategy=none exchanges nothing: no --compression")
+        strategy, workers = tf.distribute.get_strategy(), 1
+    elif gossip:
         if compression is not None:
             raise app.UsageError("--strategy=sgp exchanges float32 models: no --compression")
         strategy = tfdist.strategies.StochasticGradientPushStrategy()
@@ -114,7 +121,7 @@ def main(argv):
         history["compression_ratio"] = [dense / history["bytes_on_wire"][0]]
         history["bytes_sent"] = [progress["bytes_sent"] / max(progress["step"], 1)]
     _, accuracy = model.evaluate(x_test, y_test, batch_size=120, verbose=0)
-    if (strategy.worker_index == 0 if gossip else
+    if (alone or strategy.worker_index == 0 if gossip or alone else
             strategy.cluster_resolver.task_type in ("chief", None) or (
                 strategy.cluster_resolver.task_type == "worker"
                 and strategy.cluster_resolver.task_id == 0)):
@@ -145,6 +152,12 @@ class StopAfter(keras.callbacks.Callback):
         self.seen += 1
         if self.seen >= self.steps:
             self.model.stop_training = True
+
+
+@flags.validator("max_steps", message=f"--max_steps must be above {SKIP + 1}: the first {SKIP} "
+                 "steps are left out of the timing, which needs two steps after them")
+def _check_max_steps(value):
+    return value is None or value > SKIP + 1
 
 
 if __name__ == "__main__":

@@ -7,8 +7,15 @@ ranks take turns, evenly spaced in the period).
 Every worker trains until the chief has measured the update rate over `--window` seconds
 (after `--warmup` seconds), then stops. The chief writes `rate.json`; every worker writes its
 mean step time to `worker<rank>.json`.
+
+Equal work: every worker computes `--batch_size` rows a step, whatever the strategy: under
+MultiWorkerMirrored `fit`'s batch is the global one, so it is `--batch_size` times the replicas
+there. `rate.json` says the rows an update averages (`rows_per_update`) and the rows per second
+that went into updates (`examples_per_second`). `--no_strategy` runs plain Keras `fit` in one
+process (no strategy at all): the limit the distributed rows are measured against.
 """
 
+import contextlib
 import json
 import os
 import threading
@@ -35,8 +42,9 @@ flags.DEFINE_float("warmup", 4.0, "Seconds before the measurement window.")
 flags.DEFINE_float("window", 10.0, "Seconds of the measurement window.")
 flags.DEFINE_float("startup_timeout", 120.0, "Seconds the chief waits for its 20th step "
                    "before the warm-up starts anyway.")
-flags.DEFINE_integer("batch_size", 32, "`fit`'s batch size: each worker's own, except under "
-                     "the all-reduce strategies, where it is the global batch.")
+flags.DEFINE_integer("batch_size", 32, "Rows a worker computes per step.", lower_bound=1)
+flags.DEFINE_bool("no_strategy", False, "Plain Keras `fit` in one process, no strategy "
+                  "(the one-process limit; run it with num_workers=1, no ps).")
 flags.DEFINE_integer("steps_per_execution", 1, "Keras `steps_per_execution`.", lower_bound=1)
 
 
@@ -82,7 +90,7 @@ class _Pace(keras.callbacks.Callback):
 def _progress(strategy, pace):
     """The parameter-server telemetry, or for the others the chief's own step count (every
     step of an all-reduce, gossip or one-process run is one update of its model)."""
-    if hasattr(strategy, "placement"):
+    if strategy is not None and hasattr(strategy, "placement"):
         return strategy.progress()
     steps = pace.steps
     return {"global_step": steps, "dropped_gradients": 0, "aggregated_gradients": steps,
@@ -113,7 +121,8 @@ def _measure(strategy, pace, out_dir, counters=dict):
                   "staleness_mean": after["staleness_mean"]}
                | {f"{name}_per_second": (more_after[name] - value) / elapsed
                   for name, value in more_before.items()})
-    if hasattr(strategy, "placement"):
+    figures.update(_work(strategy, figures))
+    if strategy is not None and hasattr(strategy, "placement"):
         figures["placement"] = strategy.placement()
     elif isinstance(strategy, tfdist.strategies.StochasticGradientPushStrategy):
         gossip = strategy.progress()  # what the chief's courier carried per step
@@ -128,25 +137,53 @@ def _measure(strategy, pace, out_dir, counters=dict):
     os.replace(stop + ".tmp", stop)
 
 
+def _workers(strategy):
+    """How many worker processes compute steps."""
+    if strategy is None:
+        return 1
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return strategy.num_replicas_in_sync
+    return getattr(strategy, "num_workers", 1)
+
+
+def _work(strategy, figures):
+    """Rows per update and rows per second that went into updates, over the window.
+
+    A parameter-server update averages the pushes it aggregated (`--batch_size` rows each:
+    hard sync M of them, async one); an all-reduce or one-process step is one update of
+    `fit`'s whole batch; an SGP step of the chief stands for a round of every worker's step
+    (the workers keep each other's pace within `max_delay`), M x `--batch_size` rows.
+    """
+    updates = figures["updates_per_second"]
+    if strategy is not None and hasattr(strategy, "placement"):
+        examples = figures["aggregated_gradients"] * FLAGS.batch_size
+        rows = examples / updates if updates else None
+    else:
+        rows = FLAGS.batch_size * _workers(strategy)
+        examples = updates * rows
+    return {"rows_per_update": rows, "examples_per_second": examples,
+            "rows_per_worker_step": FLAGS.batch_size, "workers": _workers(strategy)}
+
+
 def main(argv):
     del argv
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
     x, y = (x / 16.0).astype("float32"), y.astype("int32")
-    strategy = tfdist.strategies.from_flags()
+    strategy = None if FLAGS.no_strategy else tfdist.strategies.from_flags()
     resolver = getattr(strategy, "cluster_resolver", None)
     rank = getattr(strategy, "worker_index", None)
     if rank is None:
         rank = resolver.task_id if resolver is not None and resolver.task_id else 0
-    with strategy.scope():
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
                                   keras.layers.Dense(10, activation="softmax")])
         model.compile(optimizer=keras.optimizers.SGD(0.05),
                       loss="sparse_categorical_crossentropy",
                       steps_per_execution=FLAGS.steps_per_execution)
-    if hasattr(strategy, "shard"):
+    if strategy is not None and hasattr(strategy, "shard"):
         x, y = strategy.shard(x, y)
     # Enough data for the whole window: the chief's stop file ends training.
     x, y = np.tile(x, (50, 1)), np.tile(y, 50)
@@ -162,7 +199,9 @@ def main(argv):
     if rank == 0:
         threading.Thread(target=_measure, args=(strategy, pace, FLAGS.out_dir),
                          daemon=True).start()
-    model.fit(x, y, batch_size=FLAGS.batch_size, epochs=1000, verbose=0, callbacks=[pace])
+    # Equal work: `fit`'s batch is the global one under MultiWorkerMirrored.
+    batch = FLAGS.batch_size * (_workers(strategy) if lockstep else 1)
+    model.fit(x, y, batch_size=batch, epochs=1000, verbose=0, callbacks=[pace])
     if hasattr(strategy, "join"):
         strategy.join()
     times = pace.step_times[5:] or pace.step_times

@@ -22,6 +22,10 @@ import tempfile
 import numpy as np
 from absl import app
 from absl import flags
+from machine import finish
+from machine import record_parts
+from machine import run_cluster
+from machine import stamp
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("seeds", 3, "Seeds per mode.", lower_bound=1)
@@ -70,8 +74,6 @@ def outer():
 
 
 def _run(flags_, seed, num_workers=None):
-    from tfdist.launch import LocalCluster
-
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
         command = [sys.executable, EXAMPLE, f"--output_json={path}", f"--seed={seed}",
@@ -80,11 +82,10 @@ def _run(flags_, seed, num_workers=None):
             subprocess.run(command, check=True, capture_output=True, timeout=FLAGS.timeout)
         else:
             num_ps = 0 if "--strategy=sgp" in flags_ else 1
-            with LocalCluster(command, num_ps=num_ps, num_workers=num_workers,
-                              timeout=FLAGS.timeout, output=None) as cluster:
-                result = cluster.wait()
+            result, lines = run_cluster(command, FLAGS.timeout, num_ps=num_ps,
+                                        num_workers=num_workers)
             if result.returncode:
-                tail = "\n".join(line for _, line in cluster.lines[-20:])
+                tail = "\n".join(line for _, line in lines[-20:])
                 raise RuntimeError(f"{flags_} on {num_workers} workers failed: "
                                    f"{result.message}\n{tail}")
         with open(path) as f:
@@ -102,6 +103,7 @@ def _summary(runs):
 def main(argv):
     del argv
     seeds = list(range(FLAGS.seeds))
+    run_stamp = stamp()
     if FLAGS.update and os.path.exists(FLAGS.out + ".json"):
         with open(FLAGS.out + ".json") as f:
             results = json.load(f)
@@ -133,6 +135,13 @@ def main(argv):
             print(f"{m} workers, {name}: {summary['test_accuracy_mean']:.4f} "
                   f"({summary['vs_single_points']:+.2f} points), "
                   f"{summary['train_seconds_mean']:.1f} s", flush=True)
+    measured = [f"{m} workers/{name}" for m in FLAGS.workers for name in chosen]
+    every = [f"{group}/{name}" for group in results if group.endswith(" workers")
+             for name in results[group]]
+    record_parts(results, run_stamp, measured + ([] if FLAGS.update else ["single process"]),
+                 kept=[p for p in every if p not in measured]
+                 + (["single process"] if FLAGS.update else []))
+    results["stamp"] = finish(run_stamp)
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(results, f, indent=1)

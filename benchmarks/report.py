@@ -1,19 +1,19 @@
-"""One command for every benchmark of this repository, and one readable report.
+"""The benchmark report: report.md from the JSON that `run_all.py` writes.
 
-    python benchmarks/report.py            # CI-sized settings, a few minutes
-    python benchmarks/report.py --full     # the settings the issues ask for (about an hour)
-    python benchmarks/report.py --reuse    # rebuild the report from the JSON already there
+    python benchmarks/run_all.py --size=quick     # measures everything, then calls this
+    python benchmarks/report.py --out_dir=benchmarks/results   # the report alone, again
 
-Writes into --out_dir: rates.json, straggler.{json,png}, quality.{json,png}, scaling.json,
-capacity.{json,png}, compression.{json,png}, embedding.{json,png} and report.md, which shows
-the tables and plots side by side with the TF built-ins measured in the same run (where they run).
+Every table names the commit its figures were measured at (the stamp each benchmark writes
+into its JSON, `machine.stamp`), and a table whose figures come from different commits is
+refused: the refusal stands in its place, naming the commits. Rate tables compare cells
+by their medians, and a difference smaller than the cells' spread (the wider of the two
+min-max ranges) is reported as "no difference"; each row's examples per second is also
+given as a fraction of the one-process limit measured in the same run.
 """
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 
 from absl import app
 from absl import flags
@@ -22,67 +22,89 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import capacity  # noqa: E402
+from machine import commit_label  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_bool("full", False, "Full settings (3 seeds, 4 and 8 workers, 20 epochs).")
-flags.DEFINE_bool("reuse", False, "Use the JSON results already in --out_dir where present.")
-flags.DEFINE_string("out_dir", os.path.join("benchmarks", "results"), "Where results go.")
-flags.DEFINE_float("bandwidth_gbit", 10.0, "Network bandwidth of the capacity projection.")
-flags.DEFINE_float("latency_us", 50.0, "Network latency of the capacity projection.")
-flags.DEFINE_float("run_timeout", 3600.0, "Seconds each benchmark may take.")
-flags.DEFINE_string("peer_python", None, "Python of an environment with tensorflow and "
-                    "tf_keras, for the ParameterServerStrategy rows of the rates and "
-                    "embedding tables (benchmarks/tf_keras_peer.py).")
 
 
-def _path(name):
-    return os.path.join(FLAGS.out_dir, name)
+def define_flags():
+    """This script's flags (defined when it runs, not when tests import it)."""
+    flags.DEFINE_string("out_dir", os.path.join("benchmarks", "results"),
+                        "Where the JSON results are, and where report.md goes.")
+    flags.DEFINE_float("bandwidth_gbit", 10.0, "Network bandwidth of the capacity projection.")
+    flags.DEFINE_float("latency_us", 50.0, "Network latency of the capacity projection.")
 
 
-def _run(script, *args):
-    command = [sys.executable, os.path.join(HERE, script), *args]
-    print("$", " ".join(command[1:]), flush=True)
-    subprocess.run(command, check=True, timeout=FLAGS.run_timeout)
+class MixedCommits(ValueError):
+    """A table would hold figures measured at different commits."""
 
 
-def _load(name):
-    with open(_path(name)) as f:
-        return json.load(f)
+def part_commit(result, part):
+    """The commit (`commit_label`) that measured `part` of a result file."""
+    return result.get("part_commits", {}).get(part) or commit_label(result.get("stamp"))
 
 
-RESULTS = ("rates.json", "straggler.json", "quality.json", "scaling.json", "compression.json",
-           "network.json", "embedding.json")
-MEASURED = set()  # what this run measured
+def one_commit(sources):
+    """The commit every source of a table was measured at.
+
+    Args:
+      sources: `{what: commit label}`, e.g. `{"scaling.json": "0123abcd4567"}`.
+
+    Raises:
+      MixedCommits: the sources name more than one commit (the message says which is which).
+    """
+    commits = sorted(set(sources.values()))
+    if len(commits) != 1:
+        by_commit = "; ".join(
+            f"{commit}: {', '.join(sorted(w for w, c in sources.items() if c == commit))}"
+            for commit in commits)
+        raise MixedCommits(f"its figures come from {len(commits)} commits ({by_commit}); "
+                           "measure them again in one run (benchmarks/run_all.py)")
+    return commits[0]
 
 
-def _needed(name):
-    needed = not (FLAGS.reuse and os.path.exists(_path(name)))
-    if needed:
-        MEASURED.add(name)
-    return needed
+def commit_line(sources):
+    """(True, "Measured at commit ...") or (False, "Refused: ...") for a table."""
+    try:
+        commit = one_commit(sources)
+    except MixedCommits as e:
+        return False, f"**Table refused**: {e}."
+    if commit == "not recorded":
+        return True, "Commit not recorded (results from before the harness stamped them)."
+    return True, f"Measured at commit `{commit}`."
 
 
-def measure_scaling(worker_counts, window):
-    """Hard-sync and async update rates at each worker count (1 ps)."""
-    from tfdist.launch import LocalCluster
+def compare(cell, reference):
+    """A cell against a reference cell, both `{"median", "min", "max"}`.
 
-    results = {}
-    for mode, strategy_flags in (("hard sync", ["--strategy=soft_sync"]),
-                                 ("async", ["--strategy=async"])):
-        results[mode] = {}
-        for m in worker_counts:
-            with tempfile.TemporaryDirectory() as out:
-                command = [sys.executable, os.path.join(HERE, "ps_worker.py"),
-                           f"--out_dir={out}", f"--window={window}", *strategy_flags]
-                with LocalCluster(command, num_ps=1, num_workers=m, output=None,
-                                  timeout=FLAGS.run_timeout) as cluster:
-                    result = cluster.wait()
-                if result.returncode:
-                    raise RuntimeError(f"{mode} on {m} workers failed: {result.message}")
-                with open(os.path.join(out, "rate.json")) as f:
-                    results[mode][m] = json.load(f)["updates_per_second"]
-            print(f"scaling: {mode}, {m} workers: {results[mode][m]:.1f} updates/s", flush=True)
-    return results
+    Returns:
+      None where either has no median (or the reference's is 0), else `{"ratio",
+      "difference", "spread", "no_difference"}`: the ratio of the medians, their absolute
+      difference, the wider of the two min-max ranges, and whether that spread is at least
+      the difference (then the cells do not differ as far as these runs can tell).
+    """
+    if not cell or not reference or cell.get("median") is None or not reference.get("median"):
+        return None
+    difference = abs(cell["median"] - reference["median"])
+    spread = max(cell["max"] - cell["min"], reference["max"] - reference["min"])
+    return {"ratio": cell["median"] / reference["median"], "difference": difference,
+            "spread": spread, "no_difference": spread >= difference}
+
+
+def comparison_text(comparison):
+    if comparison is None:
+        return ""
+    if comparison["no_difference"]:
+        return f"no difference ({comparison['ratio']:.2f}x)"
+    return f"{comparison['ratio']:.2f}x"
+
+
+def fraction_of_limit(cell, limits):
+    """A cell's median over the best median of the limit cells (None where there is none)."""
+    best = max((c["median"] for c in limits if c and c.get("median")), default=None)
+    if not best or not cell or cell.get("median") is None:
+        return None
+    return cell["median"] / best
 
 
 def model_bytes():
@@ -91,17 +113,17 @@ def model_bytes():
     return 4 * parameters
 
 
-def build_capacity(scaling, compression_ratio):
+def build_capacity(scaling, compression_ratio, bandwidth_gbit=10.0, latency_us=50.0):
     rates = {int(m): r for m, r in scaling["hard sync"].items()}
     compute_s, per_push_s = capacity.fit_local(rates)
     model = capacity.CapacityModel(
         compute_s=compute_s, per_push_s=per_push_s, model_bytes=model_bytes(),
-        bandwidth_bytes_s=FLAGS.bandwidth_gbit * 1e9 / 8, latency_s=FLAGS.latency_us * 1e-6,
+        bandwidth_bytes_s=bandwidth_gbit * 1e9 / 8, latency_s=latency_us * 1e-6,
         compression_ratio=compression_ratio)
     workers = [8, 16, 32, 64, 128, 256, 512, 1024]
     return {"fit": {"compute_s": compute_s, "per_push_s": per_push_s,
-                    "model_bytes": model.model_bytes, "bandwidth_gbit": FLAGS.bandwidth_gbit,
-                    "latency_us": FLAGS.latency_us, "jitter": model.jitter,
+                    "model_bytes": model.model_bytes, "bandwidth_gbit": bandwidth_gbit,
+                    "latency_us": latency_us, "jitter": model.jitter,
                     "compression_ratio": model.compression_ratio},
             "local_check": capacity.check_local(rates, compute_s, per_push_s),
             "projection": model.projections(workers)}
@@ -211,12 +233,19 @@ def network_section(result):
              "the codec's at the same bandwidth and N, in the same run (DGC timed without its "
              "warm-up; codecs left out of a setting are blank). `bytes_on_wire` is what one "
              "worker sends and receives per step at that N (Keras logs); the ratio is the dense "
-             "ring all-reduce's over it.", ""]
+             "ring all-reduce's over it." + _load_text(result), ""]
     timing = result.get("timing", {})
     settings = sorted(timing)
+    ok, line = commit_line({f"timing/{s}": part_commit(result, f"timing/{s}")
+                            for s in settings})
     if settings:
-        names = list(next(iter(timing.values())))
-        header = ["compressor"] + [f"{s}: s/step (speed-up)" for s in settings]
+        parts += [f"Step times. {line} \"of the limit\": the step time of one process (plain "
+                  "Keras `fit`, no strategy, no network) on the same global batch over the "
+                  "row's.", ""]
+    if settings and ok:
+        names = list(dict.fromkeys(name for s in settings for name in timing[s]))
+        header = ["compressor"] + [f"{s}: s/step (min–max; speed-up; of the limit)"
+                                   for s in settings]
         by_n = {}
         for setting in settings:
             by_n.setdefault(setting.split("N=")[1], setting)
@@ -226,8 +255,7 @@ def network_section(result):
             row = [name]
             for setting in settings:
                 r = timing[setting].get(name, {})
-                row.append(f"{r['seconds_per_step']:.3f} ({r.get('speedup', 0):.1f}x)"
-                           if "seconds_per_step" in r else "error" if r else "")
+                row.append(step_cell(r, timing[setting].get("none", {})))
             for setting in by_n.values():
                 r = timing[setting].get(name, {})
                 row.append(f"{int(r['bytes_on_wire']):,}, {r['compression_ratio']:.1f}x"
@@ -235,9 +263,12 @@ def network_section(result):
             rows.append(row)
         parts += [_table(header, rows), ""]
     accuracy = result.get("accuracy", {})
-    if accuracy:
+    ok, line = commit_line({"accuracy": part_commit(result, "accuracy")})
+    if accuracy and not ok:
+        parts += [line, ""]
+    elif accuracy:
         setting = result["accuracy_setting"]
-        parts += [f"Digits test accuracy after {setting['epochs']} epochs, N = "
+        parts += [f"{line} Digits test accuracy after {setting['epochs']} epochs, N = "
                   f"{setting['workers']} (network: {setting['bandwidth'] or 'no limit'}; one "
                   "seed), and points against uncompressed:", ""]
         rows = [[name, f"{r['test_accuracy']:.4f}" if "test_accuracy" in r else "error",
@@ -249,13 +280,31 @@ def network_section(result):
     return parts
 
 
+def step_cell(cell, uncompressed):
+    """"s/step (min–max; speed-up; fraction of the limit)" of a timing cell, the speed-up
+    against uncompressed's cell "no difference (...)" where their spreads cover it."""
+    if "seconds_per_step" not in cell:
+        return "error" if cell else ""
+    steps = cell.get("seconds_per_step_spread")
+    text = f"{cell['seconds_per_step']:.3f}"
+    notes = [f"{steps['min']:.3f}–{steps['max']:.3f}"] if steps else []
+    if "speedup" in cell and cell is not uncompressed:
+        speedup = f"{cell['speedup']:.1f}x"
+        comparison = compare(steps, uncompressed.get("seconds_per_step_spread"))
+        notes.append(f"no difference ({speedup})" if comparison and
+                     comparison["no_difference"] else speedup)
+    if "fraction_of_limit" in cell:
+        notes.append(f"{cell['fraction_of_limit']:.2f}")
+    return f"{text} ({'; '.join(notes)})" if notes else text
+
+
 def sgp_network_section(result):
     """Stochastic Gradient Push against uncompressed all-reduce on a rate-limited network
     (`benchmarks/network.py --sgp`, its own run)."""
     parts = ["## Stochastic Gradient Push on a slow network", "",
              f"`benchmarks/network.py --sgp --compressors=none`: {result['job']}; "
              f"{result['network']}; {result['machine']}. Median seconds per step of the chief "
-             f"over {result.get('timing_steps', '?')} steps, both rows in the same run; "
+             f"over {_timing_steps(result)} steps, both rows in the same run; "
              "speed-up = all-reduce's step time over SGP's. Wire bytes: what one worker sends "
              "and receives per step (SGP: its one message out, one in; all-reduce: the dense "
              "ring's 2 x 2 (N - 1) / N x 4 bytes per parameter, computed); ratio: the dense ring "
@@ -270,43 +319,91 @@ def sgp_network_section(result):
                 r.update(bytes_on_wire=2 * 2 * (n - 1) / n * 4 * r["parameters"],
                          compression_ratio=1.0)
             rows.append([setting, label,
-                         f"{r['seconds_per_step']:.3f}" if "seconds_per_step" in r else
+                         step_cell(r, row.get("none", {})) if "seconds_per_step" in r else
                          (r.get("error", "")[:80] or ""),
                          f"{r['speedup']:.2f}x" if "speedup" in r else "",
                          f"{int(r['bytes_on_wire']):,} ({r['compression_ratio']:.2f}x)"
                          if "bytes_on_wire" in r else ""])
-    return parts + [_table(["network, N", "strategy", "s/step", "speed-up", "wire bytes/step"],
-                           rows), ""]
+    return parts + [_table(["network, N", "strategy", "s/step (min–max; speed-up; of the limit)",
+                            "speed-up", "wire bytes/step"], rows), ""]
+
+
+def _range(cell, digits=1):
+    if not cell or cell.get("median") is None:
+        return "error"
+    return (f"{cell['median']:,.{digits}f} ({cell['min']:,.{digits}f}–"
+            f"{cell['max']:,.{digits}f})")
+
+
+def _loads(runs):
+    """"low–high" of the 1-minute load averages before and after a cell's runs."""
+    values = [run[key][0] for run in runs for key in ("load_before", "load_after")
+              if run.get(key)]
+    return f"{min(values):g}–{max(values):g}" if values else ""
+
+
+PEER_OF = {"async, 1 ps": "", "async, 1 ps, steps_per_execution 10": ", steps_per_execution 10"}
 
 
 def rates_section(rates):
-    parts = ["## Update rates, every strategy on one job", "",
-             f"{rates['num_workers']} workers, {rates['job']}, {rates['network']}; global "
-             f"updates per second on the chief over {rates['window_seconds']:g} s windows, "
-             f"median of {rates['repeats']} interleaved runs. Ratios are to tfdist's "
-             "MultiWorkerMirrored (all-reduce) and, for async, to tf_keras `fit` under TF's "
-             "ParameterServerStrategy (its async training) at the same steps_per_execution."
-             + _load_text(rates), ""]
-    rows = []
-    for name, row in rates["rows"].items():
-        rate = row["updates_per_second"]
-        peer = row.get("ratio_to_tf_keras_pss")
-        runs = " / ".join(f"{run['updates_per_second']:.1f}" if "updates_per_second" in run
-                          else "error" for run in row.get("runs", []))
-        rows.append([name, "error" if rate is None else f"{rate:.1f}", runs,
-                     f"{row['ratio_to_mwms']:.2f}" if "ratio_to_mwms" in row else "",
-                     f"{peer:.2f}" if peer else ""])
-    parts += [_table(["mode", "updates/s", "each run", "vs all-reduce", "vs tf_keras PSS"],
-                     rows), ""]
+    parts = ["## Update rates, every strategy on one job", ""]
+    if not isinstance(next(iter(rates["rows"].values()))["updates_per_second"], dict):
+        return parts + ["This rates.json predates the harness (no repeats' spread, no commit, "
+                        "unequal work under MultiWorkerMirrored): measure it again with "
+                        "`benchmarks/run_all.py`.", ""]
+    ok, line = commit_line({"rates.json": commit_label(rates.get("stamp"))})
+    parts += [line + " " + (
+        f"{rates['num_workers']} workers, {rates['job']}, {rates['network']}. Equal work: "
+        f"every worker computes {rates['rows_per_worker_step']} rows a step in every row "
+        "(MultiWorkerMirrored's global batch is that times the workers); \"rows/update\" is "
+        "what one update averages. Global updates per second on the chief and the rows per "
+        f"second that went into updates, over {rates['window_seconds']:g} s windows: median "
+        f"(min–max) of {rates['repeats']} interleaved runs. \"of the limit\": examples per "
+        "second over the faster of the one-process rows (plain Keras `fit`, no strategy, "
+        "the same cores, the global batch of a synchronous update). Comparisons are ratios "
+        "of medians, \"no difference\" where the spread of either cell is as wide as the "
+        "difference; async rows also against tf_keras `fit` under TF's "
+        "ParameterServerStrategy (its async training) at the same steps_per_execution. Load: "
+        "the 1-minute load average before and after the row's runs." + _load_text(rates)), ""]
+    if not ok:
+        return parts
+    rows_data = rates["rows"]
+    reference = rows_data.get(rates["reference"], {})
+    limits = [rows_data[name]["examples_per_second"] for name in rates.get("limit", [])
+              if name in rows_data]
+    table = []
+    for name, row in rows_data.items():
+        fraction = fraction_of_limit(row["examples_per_second"], limits)
+        peer_name = ("tf_keras ParameterServerStrategy, 1 ps" + PEER_OF[name]
+                     if name in PEER_OF else None)
+        peer = rows_data.get(peer_name, {}).get("examples_per_second")
+        table.append([
+            name, f"{row['rows_per_update']:g}" if row.get("rows_per_update") else "",
+            _range(row["updates_per_second"]), _range(row["examples_per_second"], 0),
+            "" if fraction is None else f"{fraction:.2f}",
+            "" if name == rates["reference"] else comparison_text(
+                compare(row["updates_per_second"], reference.get("updates_per_second"))),
+            "" if name == rates["reference"] else comparison_text(
+                compare(row["examples_per_second"], reference.get("examples_per_second"))),
+            comparison_text(compare(row["examples_per_second"], peer)),
+            _loads(row.get("runs", []))])
+    parts += [_table(["mode", "rows/update", "updates/s (min–max)", "examples/s (min–max)",
+                      "of the limit", "updates vs all-reduce", "examples vs all-reduce",
+                      "vs tf_keras PSS", "load"], table), ""]
     held = ", ".join(f"{k}: {' / '.join(str(b) for b in v)} bytes"
                      for k, v in rates["bytes_per_ps_task"].items())
-    parts += [f"Bytes one push of a worker carries to each ps task (its reply carries as "
-              f"much back), as the runs placed the model: {held}.", ""]
-    sent = {name: row["bytes_sent_per_worker_step"] for name, row in rates["rows"].items()
+    if held:
+        parts += [f"Bytes one push of a worker carries to each ps task (its reply carries as "
+                  f"much back), as the runs placed the model: {held}.", ""]
+    sent = {name: row["bytes_sent_per_worker_step"] for name, row in rows_data.items()
             if "bytes_sent_per_worker_step" in row}
     if sent:
         parts += ["Bytes an SGP worker sends per step (its messages, one per out-peer): "
                   + ", ".join(f"{name}: {b:,.0f}" for name, b in sent.items()) + ".", ""]
+    errors = [f"{name}: {run['error'][:200]}" for name, row in rows_data.items()
+              for run in row.get("runs", []) if "error" in run]
+    if errors:
+        parts += ["Runs that failed (left out of their cells): " + "; ".join(errors), ""]
     return parts
 
 
@@ -331,7 +428,7 @@ def _embedding_series(result):
 def embedding_section(result):
     """Tables on the ps (`benchmarks/embedding.py`): rate, bytes, memory and accuracy of
     every system against V."""
-    settings, commit, machine = result["settings"], result["commit"], result["machine"]
+    settings = result["settings"]
     mib = 1 / 2**20
     parts = ["## Embedding tables: a recommendation job against V", "",
              f"`benchmarks/embedding.py`: {settings['job']} Batch {settings['batch_size']} per "
@@ -346,10 +443,7 @@ def embedding_section(result):
              f" and loss: on 20,000 held-out examples after {settings['quality_examples']:,} "
              "training examples, points against one process at the same V (hard sync takes "
              "one update per `workers` batches: after the same examples, that many times fewer"
-             " updates). Commit "
-             f"{commit['sha'][:10]}{' (dirty tree)' if commit['dirty'] else ''}; "
-             f"{machine['cpus']} cores, {machine['memory_bytes'] / 2**30:.0f} GiB."
-             + _load_text(result), ""]
+             " updates)." + _load_text(result), ""]
     rows = [[f"{int(v):,}", f"{e['parameters']:,}",
              f"{sum(e['unique_rows_per_batch'].values()):,.0f}",
              f"{e['rows_only_bytes_per_worker_step']:,.0f}",
@@ -430,6 +524,14 @@ def plot_embedding(result, path):
 
 def _load_text(results):
     """The load average a benchmark recorded, for its section's header."""
+    run_stamp = results.get("stamp")
+    if run_stamp and run_stamp.get("load_before"):
+        before, after = run_stamp["load_before"], run_stamp.get("load_after", [])
+        machine = run_stamp.get("machine", {})
+        return (f" Load average (1 / 5 / 15 min) {' / '.join(f'{x:g}' for x in before)} at "
+                f"the start, {' / '.join(f'{x:g}' for x in after)} at the end; machine: "
+                f"{machine.get('cpus')} cores ({machine.get('cpu_model')}), "
+                f"{machine.get('memory_gib')} GiB.")
     if "load_before" not in results:
         return ""
     before, after = (results[k]["load_average_1_5_15"] for k in ("load_before", "load_after"))
@@ -441,42 +543,54 @@ def _load_text(results):
 def straggler_section(straggler):
     every = straggler.get("stall_every")
     scenarios = straggler.get("scenarios", ["persistent"])
-    parts = ["## Update rate with stragglers", "",
-             f"1 ps + {straggler['num_workers']} workers (all-reduce, SGP: no ps), digits MLP "
-             "64-64-10, batch 32 per worker, localhost, no bandwidth limit. Rate = chief's "
-             f"global steps per second over {straggler['window_seconds']:g} s; ratio = rate "
-             "with the straggler / rate without, one run each. Persistent: the last worker "
-             f"{straggler['slowdown']:g}x slower at every step."
-             + (f" Transient: the last worker stalls for {straggler['stall_steps']:g} of its "
-                f"step times once every {every} steps. Rotating: every worker stalls so, in "
-                "turn. \"paid\": the ratio if everyone paid every stall in full, K t / (K t + n d) "
-                "(t: the chief's step time without straggler, n stalls of d seconds per K "
-                "steps), what a barrier (hard sync, all-reduce) pays; for soft sync and async, "
-                "whose t is not a worker's step, only a scale. On 2 shared cores a stalled "
-                "worker also frees a core for the others: ratios above 1 are that and noise."
-                if len(scenarios) > 1 else "")
-             + _load_text(straggler), ""]
-    header = ["mode", "no straggler (updates/s)"]
+    parts = ["## Update rate with stragglers", ""]
+    if "stamp" not in straggler:
+        return parts + ["This straggler.json predates the harness (one run per cell, no "
+                        "commit, unequal work under MultiWorkerMirrored): measure it again "
+                        "with `benchmarks/run_all.py`.", ""]
+    parts += [f"1 ps + {straggler['num_workers']} workers (all-reduce, SGP: no ps), "
+              f"{straggler['job']}, {straggler['network']}. Rate = chief's global steps per "
+              f"second over {straggler['window_seconds']:g} s; ratio = rate with the "
+              "straggler / rate without, in the same repeat; median (min–max) of "
+              f"{straggler['repeats']} interleaved repeats, \"no difference\" where the "
+              "rates with and without overlap by the report's rule. \"of the limit\": "
+              "examples per second without straggler over one process's (plain Keras `fit`, "
+              "no strategy, the global batch of a synchronous update). Persistent: the last "
+              f"worker {straggler['slowdown']:g}x slower at every step."
+              + (f" Transient: the last worker stalls for {straggler['stall_steps']:g} of its "
+                 f"step times once every {every} steps. Rotating: every worker stalls so, in "
+                 "turn. \"paid\": the ratio if everyone paid every stall in full, K t / (K t "
+                 "+ n d) (t: the chief's step time without straggler, n stalls of d seconds "
+                 "per K steps), what a barrier (hard sync, all-reduce) pays; for soft sync and "
+                 "async, whose t is not a worker's step, only a scale. On shared cores a "
+                 "stalled worker also frees a core for the others: ratios above 1 are that "
+                 "and noise." if len(scenarios) > 1 else "")
+              + _load_text(straggler), ""]
+    header = ["mode", "no straggler (updates/s)", "of the limit"]
     for scenario in scenarios:
         header += [f"{scenario} (updates/s)", "ratio"]
         if scenario != "persistent":
             header.append("paid")
+    limit = straggler.get("limit", {}).get("examples_per_second")
     rows = []
     for name, r in straggler["modes"].items():
-        if "updates_per_second" not in r.get("baseline", {}):
+        if "baseline" not in r:
             rows.append([name, "does not run: " + r.get("error", "")[:120]]
                         + [""] * (len(header) - 2))
             continue
-        row = [name, f"{r['baseline']['updates_per_second']:.1f}"]
+        fraction = fraction_of_limit(r["baseline"].get("examples_per_second"), [limit])
+        row = [name, _range(r["baseline"]["updates_per_second"]),
+               "" if fraction is None else f"{fraction:.2f}"]
         for scenario in scenarios:
-            if scenario == "persistent":
-                done = {"run": r["straggler"], **r} if "rate_ratio" in r else {}
-            else:
-                done = r.get(scenario, {})
+            done = r.get(scenario, {})
             if "rate_ratio" in done:
-                row += [f"{done['run']['updates_per_second']:.1f}", f"{done['rate_ratio']:.2f}"]
+                comparison = compare(done["updates_per_second"],
+                                     r["baseline"]["updates_per_second"])
+                ratio = _range(done["rate_ratio"], 2)
+                row += [_range(done["updates_per_second"]),
+                        f"no difference ({ratio})" if comparison["no_difference"] else ratio]
             else:
-                row += ["error", (done.get("error") or r.get("error") or "")[:60]]
+                row += ["error", done.get("error", "")[:60]]
             if scenario != "persistent":
                 row.append(f"{done['ratio_if_paid']:.2f}" if "ratio_if_paid" in done else "")
         rows.append(row)
@@ -502,45 +616,49 @@ def updated_note(modes):
             f"{', '.join(modes)}; compare their training seconds with each other only.")
 
 
-def write_report(straggler, quality, scaling, capacity_result, compression, rates=None):
-    parts = ["# tfdist benchmark report", "",
-             f"Settings: {'full' if FLAGS.full else 'CI-sized (fast)'}; each section names the "
-             "workers, model and network of its own table. Every figure was "
-             "measured on this machine (2 cores); each comparison (a ratio, a difference to one "
-             "process) is between figures of the same benchmark run. Compare those, not "
-             "absolute times: workers, ps and launcher share this machine's cores.", ""]
-    reused = [name for name in RESULTS if FLAGS.reuse and name not in MEASURED]
-    if reused:
-        parts += ["Not re-measured by this run (`--reuse`: the JSON already there, from an "
-                  f"earlier run; see its commit): {', '.join(reused)}.", ""]
-    if rates is not None:
-        parts += rates_section(rates)
-    parts += straggler_section(straggler)
-    parts += ["## Accuracy (digits) against single-process training", "",
-              f"{quality['epochs']} epochs, seeds {quality['seeds']}; mean test accuracy, "
-              "difference to one process in points, mean training seconds."
-              + outer_note(quality.get("outer_optimizer"))
-              + updated_note(quality.get("updated_modes")), ""]
-    single = quality["single process"]
-    rows = [["single process", "1", f"{single['test_accuracy_mean']:.4f}", "",
-             f"{single['train_seconds_mean']:.1f}"]]
-    for group in (k for k in quality if k.endswith("workers")):
-        for name, r in quality[group].items():
-            rows.append([name, group.split()[0], f"{r['test_accuracy_mean']:.4f} "
-                         f"± {r['test_accuracy_std']:.4f}", f"{r['vs_single_points']:+.2f}",
-                         f"{r['train_seconds_mean']:.1f}"])
-    parts += [_table(["mode", "workers", "test accuracy", "vs single", "train s"], rows), "",
-              "![quality](quality.png)", ""]
-    parts += ["## Scaling on this machine and the capacity model", ""]
-    modes = list(scaling)
+def _with_commit(parts, sources):
+    """`parts` (a section: heading, blank, text...) with its commit line after the heading,
+    or only the heading and the refusal where its sources mix commits."""
+    ok, line = commit_line(sources)
+    if not ok:
+        return parts[:2] + [line, ""]
+    return parts[:2] + [line] + parts[2:]
+
+
+LIMIT_MODE = "one process, no strategy (limit)"
+
+
+def scaling_section(scaling, capacity_result, sources):
+    """Update rates at each worker count, the one-process limit beside them, the capacity fit."""
+    parts = ["## Scaling on this machine and the capacity model", ""]
+    modes = [m for m in ("hard sync", "async") if m in scaling]
+    limit = scaling.get(LIMIT_MODE, {})
+    rows_per = {"hard sync": lambda m: 32 * m, "async": lambda m: 32}
     counts = sorted({int(m) for mode in modes for m in scaling[mode]})
-    rows = [[m] + [f"{scaling[mode].get(str(m), scaling[mode].get(m, float('nan'))):.1f}"
-                   for mode in modes] for m in counts]
-    parts += [_table(["workers"] + [f"{mode} (updates/s)" for mode in modes], rows), ""]
+    rows = []
+    for m in counts:
+        row = [m]
+        best = limit.get(str(m))
+        for mode in modes:
+            rate = scaling[mode].get(str(m))
+            cell = "error" if rate is None else f"{rate:.1f}"
+            if rate is not None and best:
+                cell += f" ({rate * rows_per[mode](m) / (best * 32 * m):.2f} of the limit)"
+            row.append(cell)
+        if limit:
+            row.append("" if best is None else f"{best:.1f}")
+        rows.append(row)
+    parts += [f"Update rates, 1 ps, median of {scaling.get('repeats', 1)} interleaved run(s) "
+              "per cell; \"of the limit\": examples per second "
+              "over those of one process (plain Keras `fit`, no strategy, the same cores) on "
+              "the global batch of a hard-sync update, 32 x M rows (hard sync: 32 x M rows an "
+              "update, async: 32)." + _load_text(scaling), ""]
+    parts += [_table(["workers"] + [f"{mode} (updates/s)" for mode in modes]
+                     + ([f"{LIMIT_MODE} (updates/s)"] if limit else []), rows), ""]
     fit = capacity_result["fit"]
     parts += [f"Least-squares fit over the measured worker counts: {1000 * fit['compute_s']:.2f}"
               f" ms per update plus {1000 * fit['per_push_s']:.2f} ms per push. On this "
-              "machine the per-push term also holds the sharing of 2 cores by every process, "
+              "machine the per-push term also holds the sharing of its cores by every process, "
               "so the parameter-server projections below are pessimistic. Check against the "
               "measured hard-sync figures:", ""]
     rows = [[r["workers"], f"{1000 * r['measured_s']:.2f}", f"{1000 * r['predicted_s']:.2f}",
@@ -548,76 +666,113 @@ def write_report(straggler, quality, scaling, capacity_result, compression, rate
     parts += [_table(["workers", "measured ms/update", "model ms/update", "error"], rows), ""]
     parts += [f"Projection past one machine ({fit['bandwidth_gbit']:g} Gbit/s, "
               f"{fit['latency_us']:g} µs latency, {fit['model_bytes']} model bytes, jitter "
-              f"{fit['jitter']:g}, compression x{fit['compression_ratio']:g}); the model is "
-              "documented in `benchmarks/capacity.py`:", ""]
+              f"{fit['jitter']:g}, compression x{fit['compression_ratio']:g}, from the "
+              "compression benchmark's top-k); the model is documented in "
+              "`benchmarks/capacity.py`:", ""]
     projection = capacity_result["projection"]
     keys = [k for k in projection[0] if k != "workers"]
     rows = [[r["workers"]] + [f"{1000 * r[k]:.2f}" for k in keys] for r in projection]
     parts += [_table(["workers"] + [k[:-2].replace("_", " ") + " (ms)" for k in keys], rows), "",
               "![capacity](capacity.png)", ""]
-    parts += ["## Bytes per step", "",
-              f"Dense float32 digits model: {model_bytes()} bytes. A parameter-server worker "
-              "pushes one gradient and reads one model per step (2x that); ring all-reduce "
-              "moves 2(M-1)/M of it per link; a compressed all-gather moves each worker's "
-              "payload to every other. The capacity projection's compressed all-gather uses "
-              f"the top-k ratio measured below (x{capacity_result['fit']['compression_ratio']:g})"
-              ".", ""]
-    parts += compression_section(compression)
-    if os.path.exists(_path("network.json")):
+    return _with_commit(parts, sources)
+
+
+def quality_section(quality):
+    parts = ["## Accuracy (digits) against single-process training", "",
+             f"{quality['epochs']} epochs, seeds {quality['seeds']}; mean test accuracy, "
+             "difference to one process in points, mean training seconds."
+             + outer_note(quality.get("outer_optimizer"))
+             + updated_note(quality.get("updated_modes")) + _load_text(quality), ""]
+    single = quality["single process"]
+    rows = [["single process", "1", f"{single['test_accuracy_mean']:.4f}", "",
+             f"{single['train_seconds_mean']:.1f}"]]
+    sources = {"single process": part_commit(quality, "single process")}
+    for group in (k for k in quality if k.endswith("workers")):
+        for name, r in quality[group].items():
+            sources[f"{group}/{name}"] = part_commit(quality, f"{group}/{name}")
+            rows.append([name, group.split()[0], f"{r['test_accuracy_mean']:.4f} "
+                         f"± {r['test_accuracy_std']:.4f}", f"{r['vs_single_points']:+.2f}",
+                         f"{r['train_seconds_mean']:.1f}"])
+    parts += [_table(["mode", "workers", "test accuracy", "vs single", "train s"], rows), "",
+              "![quality](quality.png)", ""]
+    return _with_commit(parts, sources)
+
+
+def write_report(out_dir, bandwidth_gbit=10.0, latency_us=50.0):
+    """Writes `out_dir`/report.md from the JSON there: every section whose JSON is there.
+
+    Args:
+      out_dir: the directory of `run_all.py`'s results.
+      bandwidth_gbit, latency_us: the network of the capacity projection.
+    """
+
+    def _path(name):
+        return os.path.join(out_dir, name)
+
+    def _load(name):
+        with open(_path(name)) as f:
+            return json.load(f)
+
+    parts = ["# tfdist benchmark report", "",
+             "Written by `benchmarks/report.py` from the JSON of `benchmarks/run_all.py`. Each "
+             "table names the commit it was measured at (a table that would mix commits is "
+             "refused) and the workers, model, network and load of its run; each comparison "
+             "(a ratio, a fraction of the one-process limit) is between figures of the same "
+             "run. Compare those, not absolute times: every process shares this machine's "
+             "cores.", ""]
+    present = {name for name in os.listdir(out_dir) if name.endswith(".json")}
+    if "rates.json" in present:
+        parts += rates_section(_load("rates.json"))
+    if "straggler.json" in present:
+        straggler = _load("straggler.json")
+        parts += _with_commit(straggler_section(straggler),
+                              {"straggler.json": commit_label(straggler.get("stamp"))})
+    if "quality.json" in present:
+        parts += quality_section(_load("quality.json"))
+    compression = _load("compression.json") if "compression.json" in present else None
+    if "scaling.json" in present and compression is not None:
+        scaling = _load("scaling.json")
+        topk = compression["exchange"]["compressors"].get("topk")
+        capacity_result = build_capacity(scaling,
+                                         round(topk["bytes_ratio"], 1) if topk else 100.0,
+                                         bandwidth_gbit, latency_us)
+        with open(_path("capacity.json"), "w") as f:
+            json.dump(capacity_result, f, indent=1)
+        plot_capacity(capacity_result, _path("capacity.png"))
+        parts += scaling_section(scaling, capacity_result, {
+            "scaling.json": commit_label(scaling.get("stamp")),
+            "compression.json (top-k ratio)": part_commit(compression, "exchange")})
+    if compression is not None:
+        parts += ["## Bytes per step", "",
+                  f"Dense float32 digits model: {model_bytes()} bytes. A parameter-server "
+                  "worker pushes one gradient and reads one model per step (2x that); ring "
+                  "all-reduce moves 2(M-1)/M of it per link; a compressed all-gather moves each "
+                  "worker's payload to every other.", ""]
+        parts += _with_commit(compression_section(compression), {
+            part: part_commit(compression, part) for part in ("exchange", "accuracy")
+            if part in compression})
+    if "network.json" in present:
         parts += network_section(_load("network.json"))
-    if os.path.exists(_path("network_sgp.json")):
-        parts += sgp_network_section(_load("network_sgp.json"))
-    if os.path.exists(_path("embedding.json")):
+    if "network_sgp.json" in present:
+        sgp = _load("network_sgp.json")
+        parts += _with_commit(sgp_network_section(sgp), {
+            f"timing/{setting}": part_commit(sgp, f"timing/{setting}")
+            for setting in sgp.get("timing", {})})
+    if "embedding.json" in present:
         embedding = _load("embedding.json")
         plot_embedding(embedding, _path("embedding.png"))
-        parts += embedding_section(embedding)
+        parts += _with_commit(embedding_section(embedding),
+                              {"embedding.json": commit_label(embedding.get("stamp"))})
     with open(_path("report.md"), "w") as f:
         f.write("\n".join(parts))
 
 
 def main(argv):
     del argv
-    os.makedirs(FLAGS.out_dir, exist_ok=True)
-    if _needed("rates.json"):
-        _run("rates.py", f"--out={_path('rates')}",
-             *(["--num_workers=4"] if FLAGS.full else ["--num_workers=2", "--repeats=1",
-                                                      "--window=3", "--warmup=2"]),
-             *([f"--peer_python={FLAGS.peer_python}"] if FLAGS.peer_python else []))
-    if _needed("straggler.json"):
-        _run("straggler.py", f"--out={_path('straggler')}",
-             *(["--num_workers=4", "--window=10"] if FLAGS.full
-               else ["--num_workers=3", "--window=4"]))
-    if _needed("quality.json"):
-        _run("quality.py", f"--out={_path('quality')}",
-             *([] if FLAGS.full else ["--seeds=1", "--workers=2", "--epochs=3",
-                                      "--modes=hard sync,async inverse,averaging k=4"]))
-    if _needed("scaling.json"):
-        scaling = measure_scaling([1, 2, 4, 8] if FLAGS.full else [1, 2, 3],
-                                  10.0 if FLAGS.full else 3.0)
-        with open(_path("scaling.json"), "w") as f:
-            json.dump(scaling, f, indent=1)
-    if _needed("compression.json"):
-        _run("compression.py", f"--out={_path('compression')}",
-             *([] if FLAGS.full else ["--fast"]))
-    if _needed("network.json"):
-        _run("network.py", f"--out={_path('network')}",
-             *([] if FLAGS.full else ["--compressors=none,fp16,topk,powersgd", "--workers=2",
-                                      "--bandwidths=100mbit", "--epochs=3",
-                                      "--timing_steps=10", "--nowithout_error_feedback"]))
-    if _needed("embedding.json"):
-        _run("embedding.py", f"--out={_path('embedding')}", *([] if FLAGS.full else ["--quick"]),
-             *([f"--peer_python={FLAGS.peer_python}"] if FLAGS.peer_python else []))
-    compression = _load("compression.json")
-    topk = compression["exchange"]["compressors"].get("topk")
-    scaling = _load("scaling.json")
-    capacity_result = build_capacity(scaling, round(topk["bytes_ratio"], 1) if topk else 100.0)
-    with open(_path("capacity.json"), "w") as f:
-        json.dump(capacity_result, f, indent=1)
-    plot_capacity(capacity_result, _path("capacity.png"))
-    write_report(_load("straggler.json"), _load("quality.json"), scaling, capacity_result,
-                 compression, _load("rates.json"))
-    print(f"report: {_path('report.md')}", flush=True)
+    write_report(FLAGS.out_dir, FLAGS.bandwidth_gbit, FLAGS.latency_us)
+    print(f"report: {os.path.join(FLAGS.out_dir, 'report.md')}", flush=True)
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

@@ -18,8 +18,12 @@ digits once with every worker at full speed, then once per straggler scenario
 The figure of merit is the ratio of the chief's update rate (global steps per second) with and
 without the straggler, both measured in this run; for the stall scenarios, beside it, the
 ratio if every stall were paid in full by everyone (`ratio_if_paid`: K t / (K t + n d), K the
-period, t the step time without straggler, n the stalls per period, d a stall). Writes
-`<out>.json` and `<out>.png`, with the load average of the machine.
+period, t the step time without straggler, n the stalls per period, d a stall).
+
+Every mode runs `--repeats` times, interleaved (every mode once, then again), each repeat
+with its own baseline; a cell keeps the median and the min-max of its repeats. The limit,
+one process (plain Keras `fit`, no strategy) on the global batch of a synchronous update (32
+x M rows), runs as often. Writes `<out>.json` and `<out>.png`, stamped (`machine.stamp`).
 """
 
 import json
@@ -29,7 +33,11 @@ import tempfile
 
 from absl import app
 from absl import flags
+from machine import finish
 from machine import load_note
+from machine import run_cluster
+from machine import spread
+from machine import stamp
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_workers", 4, "Workers M.", lower_bound=2)
@@ -39,6 +47,7 @@ flags.DEFINE_float("timeout", 240.0, "Seconds each run may take.")
 flags.DEFINE_string("out", os.path.join("benchmarks", "results", "straggler"),
                     "Output path without extension.")
 flags.DEFINE_list("only", [], "Run only the modes whose name contains one of these.")
+flags.DEFINE_integer("repeats", 3, "Runs of every mode (interleaved).", lower_bound=1)
 SCENARIOS = ("persistent", "transient", "rotating")
 flags.DEFINE_multi_enum("scenarios", list(SCENARIOS), SCENARIOS, "Straggler scenarios.")
 flags.DEFINE_integer("stall_every", 20, "Steps between a worker's stalls (transient, rotating).",
@@ -49,9 +58,9 @@ flags.DEFINE_float("stall_steps", 4.0, "A stall's length, in the stalling worker
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _run(strategy_flags, num_ps, straggler_delay=0.0, stall_ranks=(), stall_seconds=0.0):
-    from tfdist.launch import LocalCluster
-
+def _run(strategy_flags, num_ps, straggler_delay=0.0, stall_ranks=(), stall_seconds=0.0,
+         num_workers=None):
+    num_workers = num_workers or FLAGS.num_workers
     straggler = FLAGS.num_workers - 1 if straggler_delay else -1
     stall = ([f"--stall_ranks={','.join(str(r) for r in stall_ranks)}",
               f"--stall_every={FLAGS.stall_every}", f"--stall_seconds={stall_seconds}"]
@@ -60,17 +69,16 @@ def _run(strategy_flags, num_ps, straggler_delay=0.0, stall_ranks=(), stall_seco
         command = [sys.executable, os.path.join(HERE, "ps_worker.py"), f"--out_dir={out_dir}",
                    f"--window={FLAGS.window}", f"--straggler_rank={straggler}",
                    f"--straggler_delay={straggler_delay}", *stall, *strategy_flags]
-        with LocalCluster(command, num_ps=num_ps, num_workers=FLAGS.num_workers,
-                          timeout=FLAGS.timeout, output=None) as cluster:
-            result = cluster.wait()
+        result, lines = run_cluster(command, FLAGS.timeout, num_ps=num_ps,
+                                    num_workers=num_workers)
         if result.returncode:
-            lines = [line.strip() for _, line in cluster.lines]
+            lines = [line.strip() for _, line in lines]
             starts = [i for i, line in enumerate(lines) if line.split(":")[0].endswith("Error")]
             error = " ".join(lines[starts[-1]:starts[-1] + 3]) if starts else result.message
             return {"error": error[:400]}
         with open(os.path.join(out_dir, "rate.json")) as f:
             figures = json.load(f)
-        with open(os.path.join(out_dir, f"worker{FLAGS.num_workers - 1}.json")) as f:
+        with open(os.path.join(out_dir, f"worker{num_workers - 1}.json")) as f:
             # The median: a start-up stall (SGP's first wait for its peers' couriers) is not
             # the worker's pace.
             last = json.load(f)
@@ -121,6 +129,33 @@ def _mode(name, strategy_flags, num_ps):
     return result
 
 
+def _combine(repeats):
+    """A mode's cells from its repeats (each a `_mode` result): updates/s and the ratios,
+    median and min-max over the repeats that ran."""
+    ran = [r for r in repeats if "updates_per_second" in r.get("baseline", {})]
+    if not ran:
+        return {"error": repeats[0].get("error", "no run"), "repeats": repeats}
+    cells = {"repeats": repeats, "baseline": {
+        "updates_per_second": spread([r["baseline"]["updates_per_second"] for r in ran]),
+        "examples_per_second": spread([r["baseline"].get("examples_per_second")
+                                       for r in ran])}}
+    for scenario in FLAGS.scenarios:
+        pairs = [(r, r if scenario == "persistent" else r.get(scenario, {})) for r in ran]
+        done = [(r, d) for r, d in pairs if "rate_ratio" in d]
+        if not done:
+            errors = [d.get("error") or r.get("error") for r, d in pairs]
+            cells[scenario] = {"error": next((e for e in errors if e), "no run")}
+            continue
+        runs = [r["straggler"] if scenario == "persistent" else d["run"] for r, d in done]
+        cells[scenario] = {
+            "updates_per_second": spread([run["updates_per_second"] for run in runs]),
+            "rate_ratio": spread([d["rate_ratio"] for _, d in done])}
+        if scenario != "persistent":
+            cells[scenario]["ratio_if_paid"] = spread(
+                [d["ratio_if_paid"] for _, d in done])["median"]
+    return cells
+
+
 def main(argv):
     del argv
     m = FLAGS.num_workers
@@ -136,20 +171,33 @@ def main(argv):
     if FLAGS.only:
         modes = {name: spec for name, spec in modes.items()
                  if any(part in name for part in FLAGS.only)}
-    load_before = load_note()
-    results = {"num_workers": m, "slowdown": FLAGS.slowdown, "window_seconds": FLAGS.window,
+    run_stamp = stamp()
+    repeats = {name: [] for name in modes}
+    limit = []
+    for repeat in range(FLAGS.repeats):
+        print(f"repeat {repeat + 1} of {FLAGS.repeats}", flush=True)
+        limit.append(_run(["--no_strategy", f"--batch_size={32 * m}"], 0, num_workers=1))
+        for name, spec in modes.items():
+            repeats[name].append(_mode(name, *spec))
+    results = {"num_workers": m, "repeats": FLAGS.repeats, "slowdown": FLAGS.slowdown,
+               "window_seconds": FLAGS.window,
                "scenarios": FLAGS.scenarios, "stall_every": FLAGS.stall_every,
                "stall_steps": FLAGS.stall_steps,
-               "job": "digits MLP 64-64-10 (4,810 parameters), batch 32 per worker, SGD",
-               "network": "localhost, no limit",
-               "modes": {name: _mode(name, *spec) for name, spec in modes.items()}}
-    results.update(load_before=load_before, load_after=load_note())
+               "job": "digits MLP 64-64-10 (4,810 parameters), 32 rows per worker per step "
+                      "(MultiWorkerMirrored: a global batch of 32 x M), SGD",
+               "network": "local cluster, no bandwidth limit",
+               "limit": {"name": "one process, Keras fit, no strategy",
+                         "rows_per_update": 32 * m, "runs": limit,
+                         "examples_per_second": spread([r.get("examples_per_second")
+                                                        for r in limit])},
+               "modes": {name: _combine(runs) for name, runs in repeats.items()}}
+    results["stamp"] = finish(run_stamp)
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
     with open(FLAGS.out + ".json", "w") as f:
         json.dump(results, f, indent=1)
     _plot(results, FLAGS.out + ".png")
-    print(json.dumps({name: {scenario: (r if scenario == "persistent" else r.get(scenario, {}))
-                             .get("rate_ratio") for scenario in FLAGS.scenarios}
+    print(json.dumps({name: {scenario: r.get(scenario, {}).get("rate_ratio")
+                             for scenario in FLAGS.scenarios}
                       for name, r in results["modes"].items()}, indent=1))
 
 
@@ -160,8 +208,7 @@ def _plot(results, path):
     import matplotlib.pyplot as plt
 
     modes = results["modes"]
-    names = [n for n, r in modes.items() if "baseline" in r and "updates_per_second" in
-             r["baseline"]]
+    names = [n for n, r in modes.items() if "baseline" in r]
     labels = {"persistent": f"one worker {results['slowdown']:g}x slower",
               "transient": f"one worker stalls every {results.get('stall_every')} steps",
               "rotating": "each worker stalls in turn"}
@@ -170,8 +217,8 @@ def _plot(results, path):
     width = 0.8 / len(scenarios)
     xs = range(len(names))
     for i, scenario in enumerate(scenarios):
-        ratios = [(modes[n] if scenario == "persistent" else modes[n].get(scenario, {}))
-                  .get("rate_ratio", 0.0) for n in names]
+        ratios = [modes[n].get(scenario, {}).get("rate_ratio", {}).get("median") or 0.0
+                  for n in names]
         ax.bar([x - 0.4 + width * (i + 0.5) for x in xs], ratios, width,
                label=labels[scenario])
     ax.set_xticks(list(xs), [n.replace(" (", "\n(") for n in names], fontsize=7)

@@ -4,16 +4,23 @@ What a user goes back to when tfdist's parameter-server strategies are too slow:
 asynchronous parameter-server training, which needs tf_keras (Keras 2) — Keras 3 has none.
 It runs in its own environment, with full TensorFlow and tf_keras:
 
-    python -m venv peer
-    peer/bin/pip install tensorflow-cpu==2.21.0 tf_keras==2.21.0 scikit-learn absl-py
-    python benchmarks/rates.py --peer_python=peer/bin/python
+    python -m venv PEER
+    PEER/bin/pip install tensorflow-cpu==2.21.0 "tf_keras==2.21.*" scikit-learn absl-py
+    python benchmarks/rates.py --peer_python=PEER/bin/python
 
 Same job as `ps_worker.py`: the digits MLP (64-64-10, 4.8 k parameters), SGD 0.05, batch 32
 per step, on a local cluster of this machine (a coordinator, `--num_workers` worker servers,
-`--num_ps` ps servers). Every step is one update of the ps variables, by whichever worker
-ran it; the rate is the optimizer's step count read on the ps, per second, over `--window`
-seconds after `--warmup`. Writes `{"updates_per_second": ...}` to `--out`. Every server
-process is started with a deadline and killed at the end, however the run ends.
+`--num_ps` ps servers). Every step is one update of the ps variables (32 rows), by whichever
+worker ran it.
+
+Run as its users run it for throughput: one epoch of `--steps_per_epoch` steps (tf_keras
+joins its coordinator at every epoch's end, so short epochs would put a barrier in the
+window), and the window timed from the coordinator's own counter, the optimizer's
+`iterations` read on the ps: it opens once training has run `--warmup` seconds past its
+first 20 steps (start-up, tracing and the workers' first connections are outside it), and
+closes `--window` seconds later; the epoch's end (its join) comes after. Writes
+`{"updates_per_second": ..., "examples_per_second": ..., "load_before": ...}` to `--out`.
+Every server process is started with a deadline and killed at the end, however the run ends.
 """
 
 import contextlib
@@ -39,6 +46,8 @@ flags.DEFINE_integer("batch_size", 32, "Batch size of a step.", lower_bound=1)
 flags.DEFINE_float("warmup", 4.0, "Seconds before the measurement window.", lower_bound=0)
 flags.DEFINE_float("window", 8.0, "Seconds of the measurement window.", lower_bound=1)
 flags.DEFINE_float("timeout", 180.0, "Seconds the whole run may take.", lower_bound=1)
+flags.DEFINE_integer("steps_per_epoch", 1_000_000, "Steps of the one epoch (the window ends "
+                     "training long before).", lower_bound=1)
 flags.DEFINE_string("out", None, "Where to write the result (JSON).")
 flags.DEFINE_string("serve", None, "Internal: run the server `job:index` of --cluster.")
 flags.DEFINE_string("cluster", None, "Internal: the cluster, as JSON.")
@@ -75,22 +84,37 @@ def coordinator_strategy(cluster, variable_partitioner=None):
         resolver, variable_partitioner=variable_partitioner)
 
 
-def fit_and_measure(tf_keras, model, data, steps_per_execution, counters=dict,
-                    steps_per_epoch=None):
+def fit_and_measure(tf_keras, model, data, counters=dict, steps_per_epoch=None):
     """Fits `model` on `data` (a `DatasetCreator`) until the coordinator has counted the
-    optimizer's steps over `--window` seconds after `--warmup`; returns
+    optimizer's steps (its `iterations`, read on the ps) over `--window` seconds; returns
     `{"updates_per_second": ...}`, and for each of `counters()` (more counters read at both
-    ends of the window) its change per second as `<name>_per_second`. An epoch is
-    `steps_per_epoch` steps (default 20 x `steps_per_execution`): its end waits for every
-    scheduled step; training stops at the first step after the window either way."""
+    ends of the window) its change per second as `<name>_per_second`.
+
+    The window opens `--warmup` seconds after this fit's first 20 steps (start-up, tracing
+    and the workers' first connections are outside it). An epoch is `steps_per_epoch` steps
+    (default `--steps_per_epoch`, one long epoch: tf_keras joins its coordinator at every
+    epoch's end, so short epochs would put a barrier in the window); training stops at the
+    first step after the window either way."""
     result = {}
+    started = threading.Event()
+
+    def iterations():
+        return int(model.optimizer.iterations.numpy())
+
+    first = iterations()  # a fit before this one (a quality phase) already counted steps
 
     def measure():
+        deadline = time.monotonic() + FLAGS.timeout
+        while not started.is_set() or iterations() < first + 20:
+            if time.monotonic() > deadline:
+                model.stop_training = True
+                return
+            time.sleep(0.05)
         time.sleep(FLAGS.warmup)
-        before, more_before = int(model.optimizer.iterations.numpy()), counters()
+        before, more_before = iterations(), counters()
         start = time.monotonic()
         time.sleep(FLAGS.window)
-        after, more_after = int(model.optimizer.iterations.numpy()), counters()
+        after, more_after = iterations(), counters()
         elapsed = time.monotonic() - start
         result.update({f"{name}_per_second": (more_after[name] - value) / elapsed
                        for name, value in more_before.items()})
@@ -98,13 +122,22 @@ def fit_and_measure(tf_keras, model, data, steps_per_execution, counters=dict,
         model.stop_training = True
 
     class Stop(tf_keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            started.set()
+
         def on_epoch_end(self, epoch, logs=None):
             if "updates_per_second" in result:
                 self.model.stop_training = True
 
+    epochs = 1 if steps_per_epoch is None else 100_000
+    steps_per_epoch = steps_per_epoch or FLAGS.steps_per_epoch
     threading.Thread(target=measure, daemon=True).start()
-    model.fit(data, epochs=100000, steps_per_epoch=steps_per_epoch or 20 * steps_per_execution,
-              verbose=0, callbacks=[Stop()])
+    model.fit(data, epochs=epochs, steps_per_epoch=steps_per_epoch, verbose=0,
+              callbacks=[Stop()])
+    if "updates_per_second" not in result:
+        raise RuntimeError(f"training ended before the window did (the epoch of "
+                           f"{steps_per_epoch} steps, or 20 steps not reached within "
+                           f"--timeout={FLAGS.timeout:g} s): raise --steps_per_epoch")
     return result
 
 
@@ -130,9 +163,11 @@ def _coordinate(cluster):
                       loss="sparse_categorical_crossentropy",
                       steps_per_execution=FLAGS.steps_per_execution)
     result = fit_and_measure(tf_keras, model,
-                             tf_keras.utils.experimental.DatasetCreator(dataset_fn),
-                             FLAGS.steps_per_execution)
-    return {**result, "steps_per_execution": FLAGS.steps_per_execution,
+                             tf_keras.utils.experimental.DatasetCreator(dataset_fn))
+    result["examples_per_second"] = result["updates_per_second"] * FLAGS.batch_size
+    return {**result, "rows_per_update": FLAGS.batch_size,
+            "steps_per_execution": FLAGS.steps_per_execution,
+            "steps_per_epoch": FLAGS.steps_per_epoch,
             "num_workers": FLAGS.num_workers, "num_ps": FLAGS.num_ps,
             "tensorflow": tf.__version__, "tf_keras": tf_keras.__version__}
 
@@ -183,7 +218,10 @@ def main(argv):
         _serve(json.loads(FLAGS.cluster), job, int(index))
         return
     with local_cluster(FLAGS.num_workers, FLAGS.num_ps, FLAGS.timeout) as (cluster, _):
+        load_before = [round(x, 2) for x in os.getloadavg()]
         result = _coordinate(cluster)
+        result.update(load_before=load_before,
+                      load_after=[round(x, 2) for x in os.getloadavg()])
         with open(FLAGS.out, "w") as f:
             json.dump(result, f)
 

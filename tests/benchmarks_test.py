@@ -1,73 +1,24 @@
-"""The capacity model of benchmarks/capacity.py against closed forms; report.py's embedding
-table and plot on a small fixture; the compression benchmark end to end at its smallest
-settings."""
+"""The capacity model of benchmarks/capacity.py against closed forms; report.py's rules
+(commits never mixed in a table, no difference inside the spread, fractions of the limit) and
+its embedding table and plot on small JSON fixtures. The benchmarks themselves run in
+`benchmarks/run_all.py --size=quick`."""
 
 import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 
 import tensorflow as tf
 
 _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks",
                      "capacity.py")
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(_PATH),
-                                                                     f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-capacity = _load("capacity")
-report = _load("report")
-
-
-def _figure(median, low=None, high=None):
-    return {"median": median, "min": median if low is None else low,
-            "max": median if high is None else high}
-
-
-def _cell(system, label, workers, ps, rows, examples, memory, accuracy, runs=1, errors=0):
-    return {"system": system, "label": label, "workers": workers, "ps": ps, "rows": rows,
-            "updates_per_second": _figure(examples / 256),
-            "examples_per_second": _figure(examples, examples / 2, examples * 2),
-            "bytes_per_worker_step": _figure(50000.0) if ps else None,
-            "worker_peak_bytes": _figure(memory * 2**20),
-            "ps_peak_bytes": _figure(1536 * 2**20) if ps else None, "accuracy": _figure(accuracy),
-            "loss": _figure(0.5),
-            "runs": [{"error": "timed out" if i < errors else None} for i in range(runs)]}
-
-
-def _embedding_fixture():
-    """A small `embedding.json`: two V, tfdist async and the peer at 2 workers and 1 ps,
-    one process; one failed run."""
-    cells = []
-    for rows, scale in ((100000, 1.0), (1000000, 0.5)):
-        cells += [_cell("async", "tfdist async", 2, 1, rows, 25600 * scale, 700, 0.80, 3,
-                        errors=int(rows == 1000000)),
-                  _cell("peer", "tf_keras ParameterServerStrategy", 2, 1, rows, 12800, 650,
-                        0.78, 3),
-                  _cell("one_process", "one process (Keras 3)", 1, 0, rows, 6400, 900, 0.81,
-                        3)]
-    return json.loads(json.dumps({
-        "commit": {"sha": "0123456789abcdef", "dirty": True},
-        "machine": {"cpus": 2, "memory_bytes": 24 * 2**30},
-        "load_before": {"load_average_1_5_15": [1.0, 1.5, 2.0], "cpus": 2},
-        "load_after": {"load_average_1_5_15": [2.0, 1.5, 1.0], "cpus": 2},
-        "settings": {"job": "Generated job.", "batch_size": 256, "steps_per_execution": 10,
-                     "embedding_tables": "auto", "repeats": 3, "window": 20.0, "warmup": 5.0,
-                     "quality_examples": 51200},
-        "estimates": {str(rows): {"parameters": 17 * rows, "unique_rows_per_batch":
-                                  {"items": 400.0, "categories": 230.0, "context": 214.0},
-                                  "rows_only_bytes_per_worker_step": 200000.0,
-                                  "whole_model_bytes_per_worker_step": 8.0 * 17 * rows}
-                      for rows in (100000, 1000000)},
-        "cells": cells}))
+_spec = importlib.util.spec_from_file_location("capacity", _PATH)
+capacity = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(capacity)
+sys.path.insert(0, os.path.dirname(_PATH))
+import machine  # noqa: E402
+import report  # noqa: E402
 
 
 class CapacityModelTest(tf.test.TestCase):
@@ -103,6 +54,147 @@ class CapacityModelTest(tf.test.TestCase):
         self.assertLess(rows[1]["ps_soft_sync_0.9_s"], rows[1]["ps_hard_sync_s"])
 
 
+def _stamp(commit, dirty=False):
+    return {"commit": commit, "dirty": dirty, "load_before": [1.0, 1.0, 1.0],
+            "load_after": [1.5, 1.0, 1.0], "settings": {},
+            "machine": {"cpus": 2, "memory_gib": 8.0, "cpu_model": "test CPU"}}
+
+
+def _cell(*values):
+    return {"median": sorted(values)[len(values) // 2], "min": min(values), "max": max(values)}
+
+
+def _rates_row(updates, rows_per_update):
+    runs = [{"updates_per_second": u, "load_before": [2.0, 1, 1], "load_after": [3.5, 1, 1]}
+            for u in updates]
+    return {"updates_per_second": _cell(*updates),
+            "examples_per_second": _cell(*[u * rows_per_update for u in updates]),
+            "rows_per_update": rows_per_update, "runs": runs}
+
+
+class ReportTest(tf.test.TestCase):
+    """report.py's rules on small JSON fixtures (no benchmark runs)."""
+
+    def test_a_table_of_two_commits_is_refused(self):
+        self.assertEqual(report.one_commit({"a": "0123", "b": "0123"}), "0123")
+        with self.assertRaisesRegex(report.MixedCommits, r"2 commits \(0123: a, c; 4567: b\)"):
+            report.one_commit({"a": "0123", "b": "4567", "c": "0123"})
+
+    def test_a_difference_inside_the_spread_is_no_difference(self):
+        reference = _cell(100.0, 110.0, 120.0)
+        wide = report.compare(_cell(105.0, 130.0, 140.0), reference)  # diff 20, spread 35
+        self.assertTrue(wide["no_difference"])
+        self.assertAlmostEqual(wide["ratio"], 130 / 110)
+        self.assertEqual(report.comparison_text(wide), "no difference (1.18x)")
+        narrow = report.compare(_cell(200.0, 205.0, 210.0), reference)  # diff 95, spread 20
+        self.assertFalse(narrow["no_difference"])
+        self.assertEqual(report.comparison_text(narrow), "1.86x")
+        self.assertIsNone(report.compare({"median": None}, reference))
+
+    def test_a_step_time_inside_the_spread_is_no_speed_up(self):
+        uncompressed = {"seconds_per_step": 1.0, "speedup": 1.0,
+                        "seconds_per_step_spread": _cell(0.8, 1.0, 1.3)}
+        close = {"seconds_per_step": 0.9, "speedup": 1.0 / 0.9, "fraction_of_limit": 0.5,
+                 "seconds_per_step_spread": _cell(0.85, 0.9, 0.95)}
+        self.assertEqual(report.step_cell(close, uncompressed),
+                         "0.900 (0.850–0.950; no difference (1.1x); 0.50)")
+        fast = {"seconds_per_step": 0.1, "speedup": 10.0,
+                "seconds_per_step_spread": _cell(0.09, 0.1, 0.12)}
+        self.assertEqual(report.step_cell(fast, uncompressed), "0.100 (0.090–0.120; 10.0x)")
+        self.assertEqual(report.step_cell({"error": "boom"}, uncompressed), "error")
+
+    def test_fraction_of_the_faster_limit(self):
+        limits = [_cell(1000.0, 1100.0, 1200.0), _cell(2000.0, 2200.0, 2400.0), None]
+        self.assertAlmostEqual(report.fraction_of_limit(_cell(550.0), limits), 0.25)
+        self.assertIsNone(report.fraction_of_limit(_cell(550.0), [None]))
+
+    def test_part_commits_keep_what_an_earlier_run_measured(self):
+        results = {"stamp": _stamp("a" * 40)}
+        machine.record_parts(results, _stamp("b" * 40, dirty=True), ["timing/1gbit, N=2"],
+                             kept=["timing/100mbit, N=2"])
+        self.assertEqual(results["part_commits"], {"timing/100mbit, N=2": "a" * 12,
+                                                   "timing/1gbit, N=2": "b" * 12 + "+dirty"})
+        self.assertEqual(report.part_commit(results, "timing/1gbit, N=2"), "b" * 12 + "+dirty")
+        self.assertEqual(machine.commit_label(None), "not recorded")
+
+    def test_report_names_commits_refuses_mixtures_and_gives_fractions(self):
+        out = self.get_temp_dir()
+        rows = {
+            "one process, Keras fit, no strategy": _rates_row([400.0, 410.0, 420.0], 64),
+            "all-reduce (tfdist MultiWorkerMirrored)": _rates_row([60.0, 62.0, 64.0], 64),
+            "async, 1 ps": _rates_row([300.0, 320.0, 340.0], 32),
+            "hard sync, 1 ps": _rates_row([50.0, 61.0, 70.0], 64),
+            "tf_keras ParameterServerStrategy, 1 ps": _rates_row([150.0, 160.0, 170.0], 32),
+        }
+        rates = {"stamp": _stamp("c" * 40), "num_workers": 2, "window_seconds": 2.0,
+                 "repeats": 3, "rows_per_worker_step": 32, "job": "digits MLP",
+                 "network": "local cluster", "reference": "all-reduce (tfdist "
+                 "MultiWorkerMirrored)", "limit": ["one process, Keras fit, no strategy"],
+                 "peer": ["tf_keras ParameterServerStrategy, 1 ps"], "rows": rows,
+                 "bytes_per_ps_task": {"1 ps": [19240]}}
+        timing = {"none": {"seconds_per_step": 1.0, "speedup": 1.0}}
+        network = {"stamp": _stamp("d" * 40), "job": "CNN", "network": "switched",
+                   "machine": "here", "timing_steps": 5,
+                   "timing": {"100mbit, N=2": timing, "100mbit, N=4": timing},
+                   "part_commits": {"timing/100mbit, N=2": "d" * 12,
+                                    "timing/100mbit, N=4": "e" * 12}}
+        for name, value in (("rates", rates), ("network", network)):
+            with open(os.path.join(out, name + ".json"), "w") as f:
+                json.dump(value, f)
+        report.write_report(out)
+        with open(os.path.join(out, "report.md")) as f:
+            text = f.read()
+        self.assertIn("Measured at commit `cccccccccccc`.", text)
+        rows = {line.split(" | ")[0].strip("| "): line.split(" | ")
+                for line in text.splitlines() if line.startswith("| ")}
+        # async: 320 x 32 rows a second against the limit's 410 x 64; 5.16x all-reduce's
+        # updates; 2.58x its examples; against the peer 2.00x (equal rows per update).
+        self.assertEqual(rows["async, 1 ps"][1:9], [
+            "32", "320.0 (300.0–340.0)", "10,240 (9,600–10,880)", "0.39", "5.16x", "2.58x",
+            "2.00x", "2–3.5 |"])
+        # hard sync's 61 (50-70) against all-reduce's 62 (60-64): no difference.
+        self.assertEqual(rows["hard sync, 1 ps"][5:7],
+                         ["no difference (0.98x)", "no difference (0.98x)"])
+        self.assertIn("**Table refused**: its figures come from 2 commits (dddddddddddd: "
+                      "timing/100mbit, N=2; eeeeeeeeeeee: timing/100mbit, N=4)", text)
+
+
+def _embedding_cell(system, label, workers, ps, rows, examples, memory, accuracy, runs=1, errors=0):
+    return {"system": system, "label": label, "workers": workers, "ps": ps, "rows": rows,
+            "updates_per_second": _cell(examples / 256),
+            "examples_per_second": _cell(examples / 2, examples, examples * 2),
+            "bytes_per_worker_step": _cell(50000.0) if ps else None,
+            "worker_peak_bytes": _cell(memory * 2**20),
+            "ps_peak_bytes": _cell(1536 * 2**20) if ps else None, "accuracy": _cell(accuracy),
+            "loss": _cell(0.5),
+            "runs": [{"error": "timed out" if i < errors else None} for i in range(runs)]}
+
+
+def _embedding_fixture():
+    """A small `embedding.json`: two V, tfdist async and the peer at 2 workers and 1 ps,
+    one process; one failed run."""
+    cells = []
+    for rows, scale in ((100000, 1.0), (1000000, 0.5)):
+        cells += [
+            _embedding_cell("async", "tfdist async", 2, 1, rows, 25600 * scale, 700, 0.80, 3,
+                            errors=int(rows == 1000000)),
+            _embedding_cell("peer", "tf_keras ParameterServerStrategy", 2, 1, rows, 12800,
+                            650, 0.78, 3),
+            _embedding_cell("one_process", "one process (Keras 3)", 1, 0, rows, 6400, 900,
+                            0.81, 3)]
+    return json.loads(json.dumps({
+        "stamp": _stamp("0123456789abcdef" * 2 + "01234567", dirty=True),
+        "settings": {"job": "Generated job.", "batch_size": 256, "steps_per_execution": 10,
+                     "embedding_tables": "auto", "repeats": 3, "window": 20.0, "warmup": 5.0,
+                     "quality_examples": 51200},
+        "estimates": {str(rows): {"parameters": 17 * rows, "unique_rows_per_batch":
+                                  {"items": 400.0, "categories": 230.0, "context": 214.0},
+                                  "rows_only_bytes_per_worker_step": 200000.0,
+                                  "whole_model_bytes_per_worker_step": 8.0 * 17 * rows}
+                      for rows in (100000, 1000000)},
+        "cells": cells}))
+
+
 class EmbeddingReportTest(tf.test.TestCase):
 
     def test_table_compares_each_cell_with_the_peer_its_smallest_v_and_one_process(self):
@@ -121,45 +213,18 @@ class EmbeddingReportTest(tf.test.TestCase):
         self.assertEqual(cells[10], "1,536")
         self.assertEqual(cells[11], "0.800 (-1.0)")
         self.assertEqual(cells[13], "1 of 3")
-        self.assertIn("Commit 0123456789 (dirty tree)", text)
-        self.assertIn("Load average (1 / 5 / 15 min) 1 / 1.5 / 2 at the start", text)
+        self.assertIn("Load average (1 / 5 / 15 min) 1 / 1 / 1 at the start", text)
         self.assertIn("| 1,000,000 | 17,000,000 | 844 | 200,000 | 136,000,000 |", text)
         peer = next(line for line in text.splitlines() if line.startswith("| tf_keras"))
         self.assertNotIn("x |", peer.split("|")[7])  # no ratio of the peer to itself
 
-    def test_plot_is_written(self):
-        path = os.path.join(self.get_temp_dir(), "embedding.png")
-        report.plot_embedding(_embedding_fixture(), path)
-        self.assertGreater(os.path.getsize(path), 1000)
-
-
-class CompressionBenchmarkTest(tf.test.TestCase):
-
-    def test_smallest_run_writes_every_figure(self):
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        out = os.path.join(self.get_temp_dir(), "compression")
-        command = [sys.executable, os.path.join(root, "benchmarks", "compression.py"),
-                   f"--out={out}", "--fast", "--compressors=fp16,topk", "--seeds=0",
-                   "--epochs=1", "--timing_steps=5"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=400)
-        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
-        with open(out + ".json") as f:
-            figures = json.load(f)
-        self.assertTrue(os.path.exists(out + ".png"))
-        exchange = figures["exchange"]
-        self.assertGreater(exchange["step_time_ratio"], 0)
-        self.assertEqual(exchange["compressors"]["fp16"]["bytes_ratio"], 2.0)
-        self.assertGreaterEqual(exchange["compressors"]["topk"]["bytes_ratio"], 50)
-        self.assertEqual(exchange["compressors"]["topk"]["bytes_sent"],
-                         exchange["compressors"]["topk"]["documented_bytes"])
-        cnn = exchange["cnn"]["compressors"]
-        self.assertEqual(set(cnn), {"fp16", "topk"})
-        for entry in cnn.values():
-            self.assertGreater(entry["codec_share"], 0)
-            self.assertLess(entry["codec_share"], 1)
-        accuracy = figures["accuracy"]["compressors"]
-        self.assertEqual(set(accuracy["topk"]), {"error_feedback", "no_error_feedback"})
-
-
-if __name__ == "__main__":
-    tf.test.main()
+    def test_report_names_the_commit_and_writes_the_plot(self):
+        out = self.get_temp_dir()
+        with open(os.path.join(out, "embedding.json"), "w") as f:
+            json.dump(_embedding_fixture(), f)
+        report.write_report(out)
+        with open(os.path.join(out, "report.md")) as f:
+            text = f.read()
+        self.assertIn("## Embedding tables: a recommendation job against V\n\n"
+                      "Measured at commit `0123456789ab+dirty`.", text)
+        self.assertGreater(os.path.getsize(os.path.join(out, "embedding.png")), 1000)

@@ -1,9 +1,11 @@
 """A local cluster's servers are reachable inside the cluster only."""
 
+import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from unittest import mock
@@ -37,14 +39,18 @@ while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
 """
 
 
-# Worker 0 times `size` bytes that worker 1 sends it over the cluster's network (TCP).
-LINK = """
+# Pairs of workers at once: each odd worker sends `size` bytes to the worker before it, once
+# every sender is connected (each leaves a file in argv 2); each receiver says the rate it got,
+# and when its first and last bytes came (this machine's clock).
+PAIRS = """
 import json, os, socket, sys, time
 config = json.loads(os.environ["TF_CONFIG"])
-host, port = config["cluster"]["worker"][0].rsplit(":", 1)
-size = int(sys.argv[1])
-if config["task"]["index"] == 0:
-    with socket.create_server((host, int(port))) as server:
+size, ready = int(sys.argv[1]), sys.argv[2]
+index = config["task"]["index"]
+host, port = config["cluster"]["worker"][index - index % 2].rsplit(":", 1)
+deadline = time.monotonic() + 30
+if index % 2 == 0:
+    with socket.create_server(("", int(port))) as server:
         server.settimeout(30)
         connection, _ = server.accept()
         with connection:
@@ -53,18 +59,22 @@ if config["task"]["index"] == 0:
                 chunk = connection.recv(1 << 16)
                 if not chunk:
                     break
-                start = start or time.monotonic()
+                start = start or time.time()
                 got += len(chunk)
-            print("RATE", got * 8 / (time.monotonic() - start), flush=True)
+            end = time.time()
+            print("RATE", index, got * 8 / (end - start), start, end, flush=True)
 else:
-    deadline = time.monotonic() + 30
     while True:
         try:
             link = socket.create_connection((host, int(port)), timeout=5)
             break
         except OSError:
-            assert time.monotonic() < deadline, "worker 0 never listened"
+            assert time.monotonic() < deadline, "the receiver never listened"
             time.sleep(0.05)
+    open(os.path.join(ready, str(index)), "w").close()
+    while len(os.listdir(ready)) < len(config["cluster"]["worker"]) // 2:
+        assert time.monotonic() < deadline, "another sender never connected"
+        time.sleep(0.005)
     with link:
         link.sendall(b"x" * size)
 """
@@ -228,12 +238,14 @@ class BandwidthTest(tf.test.TestCase):
         _skip_without_namespaces(self)
 
     def _rate(self, bandwidth, size, **kwargs):
-        with LocalCluster([sys.executable, "-c", LINK, str(size)], num_ps=0, num_workers=2,
-                          output=None, timeout=60, bandwidth=bandwidth, **kwargs) as cluster:
+        ready = tempfile.mkdtemp(dir=self.get_temp_dir())
+        with LocalCluster([sys.executable, "-c", PAIRS, str(size), ready], num_ps=0,
+                          num_workers=2, output=None, timeout=60, bandwidth=bandwidth,
+                          **kwargs) as cluster:
             result = cluster.wait()
         self.assertEqual(result.returncode, 0, cluster.lines)
         self.notices = [line for task, line in cluster.lines if task == "tfdist-launch"]
-        return next(float(line.split()[1]) for _, line in cluster.lines
+        return next(float(line.split()[2]) for _, line in cluster.lines
                     if line.startswith("RATE"))
 
     def test_the_private_network_is_held_at_the_set_rate(self):
@@ -254,6 +266,96 @@ class BandwidthTest(tf.test.TestCase):
         self.assertEqual(isolation.parse_bandwidth("12.5MBps"), 1e8)
         with self.assertRaisesRegex(ValueError, "needs `isolate_network` 'auto' or True"):
             LocalCluster(["true"], bandwidth="100mbit", isolate_network=False)
+
+
+# A worker that says TASK to whoever connects to its address, for 30 s.
+GREETER = """
+import json, os, socket, time
+port = int(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][0].rsplit(":", 1)[1])
+with socket.create_server(("", port)) as server:
+    server.settimeout(1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            connection, _ = server.accept()
+        except OSError:
+            continue
+        with connection:
+            connection.sendall(b"TASK")
+"""
+
+
+def _greeting(host, port):
+    """What a server at host:port says first, or why nothing."""
+    try:
+        with socket.create_connection((host, port), timeout=2) as connection:
+            connection.settimeout(2)
+            return connection.recv(4).decode(errors="replace")
+    except OSError as e:
+        return type(e).__name__
+
+
+class SwitchedNetworkTest(tf.test.TestCase):
+    """Cost: two 4-worker clusters of plain Python (no TensorFlow), about 1 + 2 s of traffic."""
+
+    def setUp(self):
+        super().setUp()
+        _skip_without_namespaces(self)
+        if not (shutil.which("tc") or os.path.exists("/usr/sbin/tc")) or not (
+                shutil.which("ip") or os.path.exists("/usr/sbin/ip")):
+            self.skipTest("iproute2's `ip` and `tc` are not installed")
+
+    def _pair_rates(self, topology, rate, size):
+        ready = tempfile.mkdtemp(dir=self.get_temp_dir())
+        with LocalCluster([sys.executable, "-c", PAIRS, str(size), ready], num_ps=0,
+                          num_workers=4, output=None, timeout=60, bandwidth=rate,
+                          topology=topology, outbound_network=False) as cluster:
+            result = cluster.wait()
+        self.assertEqual(result.returncode, 0, cluster.lines)
+        said = [line.split()[2:] for _, line in cluster.lines if line.startswith("RATE")]
+        self.assertLen(said, 2, cluster.lines)
+        rates = [float(rate) for rate, _, _ in said]
+        # Both pairs' bytes over the time from the first byte to the last, either pair's.
+        both = 2 * size * 8 / (max(float(end) for _, _, end in said)
+                               - min(float(start) for _, start, _ in said))
+        return rates, both, cluster
+
+    def test_two_pairs_each_get_the_full_rate_on_a_switch_and_share_a_hub(self):
+        # 2.5 MB a pair at 20 Mbit/s: about 1 s on the switch, 2 s on the hub.
+        rate, size = 20e6, 5 << 19
+        switched, both, cluster = self._pair_rates(None, "20mbit", size)
+        self.assertEqual(cluster.topology, "switched")  # the default with a bandwidth
+        self.assertStartsWith(cluster.config.cluster["worker"][0], "10.213.0.2:")
+        for got in switched:
+            self.assertBetween(got, 0.7 * rate, 1.3 * rate)
+        self.assertGreater(both, 1.4 * rate)
+        # On the hub the pairs share the one link (TCP need not share it evenly: the sum).
+        _, both, _ = self._pair_rates("hub", "20mbit", size)
+        self.assertLess(both, 1.3 * rate)
+
+    def test_the_switched_tasks_are_out_of_reach_from_outside(self):
+        with LocalCluster([sys.executable, "-c", GREETER], num_ps=0, num_workers=1,
+                          output=None, timeout=60, topology="switched",
+                          outbound_network=False) as cluster:
+            address = cluster.config.cluster["worker"][0]
+            host, port = address.rsplit(":", 1)
+            deadline = time.monotonic() + 30
+            with cluster.network.inside():  # from the switch, the task's address answers
+                while _greeting(host, int(port)) != "TASK":
+                    self.assertLess(time.monotonic(), deadline, cluster.lines)
+                    time.sleep(0.05)
+            # From this machine's network the task is not there (whatever may answer for
+            # that address on this machine's own routes, it is not the task).
+            self.assertNotEqual(_greeting(host, int(port)), "TASK")
+            self.assertNotEqual(_greeting("127.0.0.1", int(port)), "TASK")
+
+    def test_bad_topology(self):
+        with self.assertRaisesRegex(ValueError, r"`topology` must be 'switched', 'hub' or None. "
+                                                r"Received: 'star'"):
+            LocalCluster(["true"], topology="star")
+        with self.assertRaisesRegex(ValueError, "`topology`='switched' connects private network "
+                                                "namespaces: it needs `isolate_network`"):
+            LocalCluster(["true"], topology="switched", isolate_network=False)
 
 
 class FallbackTest(tf.test.TestCase):

@@ -260,6 +260,11 @@ class LauncherCliTest(tf.test.TestCase):
              r"needs the private network. Received: --noisolate_network"),
             (["--job_name=worker", "--worker_hosts=a:1", "--bandwidth=1gbit", "--", "true"],
              r"--bandwidth limits the private network of a --local cluster"),
+            (["--local", "--topology=switched", "--noisolate_network", "--", "true"],
+             r"--topology='switched' connects private network namespaces: it needs the "
+             r"private network. Received: --noisolate_network"),
+            (["--job_name=worker", "--worker_hosts=a:1", "--topology=hub", "--", "true"],
+             r"--topology connects the tasks of a --local cluster"),
             (["--job_name=ps", "--ps_hosts=localhost:2", "--exit_after_workers_gone=5"],
              r"--exit_after_workers_gone watches the workers' ports: give --worker_hosts"),
             (["--job_name=ps", "--ps_hosts=localhost:2", "--exit_after_workers_gone=0"],

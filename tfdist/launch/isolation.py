@@ -5,6 +5,10 @@ tasks only ever talk to each other over loopback, so tfdist starts them in a net
 of their own whose only interface is a loopback: other machines, other namespaces, and even
 other processes of this machine outside the cluster cannot connect to their ports.
 
+`SwitchedNetwork` gives each task a namespace of its own instead, with an address on a bridge
+in one more private namespace: machines on a switch, each with a link of its own (shaped with
+`limit_bandwidth`, as the one loopback of a `PrivateNetwork` is shaped as a hub's shared link).
+
 Creating a network namespace needs CAP_SYS_ADMIN (root, or a user namespace where the system
 allows one). Where it is refused, `private_network()` warns loudly and the cluster runs on the
 machine's own network, as TensorFlow would.
@@ -56,6 +60,30 @@ def parse_bandwidth(rate):
                          f"(bit, kbit, mbit, gbit, tbit; bps... for bytes), at least 8kbit. "
                          f"Received: {rate!r}")
     return bits
+
+
+def _iproute2(tool):
+    """The path of iproute2's `tool` ("ip", "tc"), or IsolationUnavailable."""
+    path = shutil.which(tool) or next(
+        (p for p in (f"/usr/sbin/{tool}", f"/sbin/{tool}") if os.path.exists(p)), None)
+    if path is None:
+        raise IsolationUnavailable(errno.ENOENT, f"`bandwidth` and the switched network need "
+                                                 f"`{tool}` (iproute2), which this machine "
+                                                 "does not have")
+    return path
+
+
+def _shape(network, device, bits, rate):
+    """Holds what leaves `device` of `network` to `bits` per second (tc tbf)."""
+    # The bucket holds a loopback packet (64 KiB, lo's MTU, and its headers) or 4 ms of
+    # traffic, whichever is more: a larger one would let small messages pass unlimited.
+    burst = max(70_000, int(bits / 8 / 250))
+    try:
+        network.run("tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{int(bits)}bit",
+                    "burst", str(burst), "latency", "50ms")
+    except IsolationUnavailable as e:
+        raise IsolationUnavailable(errno.EPERM, f"could not limit the private network to "
+                                                f"{rate}: {e.strerror}") from None
 
 
 def _libc():
@@ -133,30 +161,27 @@ class PrivateNetwork:
         """Rate-limits the namespace's loopback to `rate` (tc's token bucket filter).
 
         Every byte between two tasks crosses the one loopback: the tasks share one link of
-        `rate`, as machines on one hub would (on a switched network each machine has a link
-        of its own).
+        `rate`, as machines on one hub would (`SwitchedNetwork` gives each task a link of its
+        own, as machines on a switch).
 
         Raises:
           ValueError: a malformed `rate`.
           IsolationUnavailable: `tc` is missing or the system refuses the qdisc.
         """
-        bits = parse_bandwidth(rate)
-        tc = shutil.which("tc") or next(
-            (p for p in ("/usr/sbin/tc", "/sbin/tc") if os.path.exists(p)), None)
-        if tc is None:
-            raise IsolationUnavailable(errno.ENOENT, "`bandwidth` needs `tc` (iproute2), which "
-                                                     "this machine does not have")
-        # The bucket holds a loopback packet (64 KiB, lo's MTU, and its headers) or 4 ms of
-        # traffic, whichever is more: a larger one would let small messages pass unlimited.
-        burst = max(70_000, int(bits / 8 / 250))
-        command = [tc, "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{int(bits)}bit",
-                   "burst", str(burst), "latency", "50ms"]
-        done = subprocess.run(command, preexec_fn=self.enter_in_child, capture_output=True,
+        _shape(self, "lo", parse_bandwidth(rate), rate)
+
+    def run(self, *command):
+        """Runs an iproute2 `command` (`ip ...`, `tc ...`) inside the namespace.
+
+        Raises:
+          IsolationUnavailable: the tool is missing or the command fails (its message).
+        """
+        argv = [_iproute2(command[0]), *command[1:]]
+        done = subprocess.run(argv, preexec_fn=self.enter_in_child, capture_output=True,
                               text=True)
         if done.returncode:
-            raise IsolationUnavailable(errno.EPERM, f"could not limit the private network to "
-                                                    f"{rate} ({' '.join(command[1:])}: "
-                                                    f"{done.stderr.strip()})")
+            raise IsolationUnavailable(errno.EPERM, f"`{' '.join(command)}` failed in a private "
+                                                    f"network: {done.stderr.strip()}")
 
     def connect_outbound(self, timeout=10.0):
         """Gives the namespace outbound connections through `slirp4netns`, where installed.
@@ -230,6 +255,102 @@ class PrivateNetwork:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+# The switched network's addresses: the switch (its bridge) .0.1, task k .0.(k + 2) onwards.
+SWITCH_SUBNET = ipaddress.ip_network("10.213.0.0/16")
+_SWITCH_MTU = 9000  # a data centre's jumbo frames
+_BRIDGE = "tfdist0"
+
+
+def switched_address(slot):
+    """The address of the task in `slot` (0, 1, ...) of a `SwitchedNetwork`."""
+    return str(SWITCH_SUBNET[slot + 2])
+
+
+class SwitchedNetwork:
+    """Private network namespaces, one per task, joined by a bridge: machines on a switch.
+
+    Each task's namespace has its loopback and an `eth0` of address `switched_address(slot)`;
+    the other end of every `eth0` is a port of a bridge in one more private namespace, the
+    switch, where nothing runs (`inside()` looks from there, e.g. to see the tasks listen).
+    No interface of this machine's own network is in any of them: as with `PrivateNetwork`,
+    nothing outside the cluster reaches its tasks.
+
+    `limit_bandwidth(rate)` shapes every port on its own, both ways (tc's token bucket on the
+    task's `eth0` for what it sends, on the switch's end for what it receives): each task has
+    a full-duplex link of `rate`, so two pairs of tasks talking at once each get the full rate,
+    where on one shaped loopback (`PrivateNetwork.limit_bandwidth`, a hub) they share it.
+
+    Raises:
+      IsolationUnavailable: the system refuses namespaces, or `ip` is missing or refused.
+    """
+
+    def __init__(self, num_tasks):
+        if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or not (
+                1 <= num_tasks <= SWITCH_SUBNET.num_addresses - 3):
+            raise ValueError(f"`num_tasks` must be an integer between 1 and "
+                             f"{SWITCH_SUBNET.num_addresses - 3}. Received: {num_tasks!r}")
+        self.switch = None
+        self.tasks = []
+        try:
+            self.switch = PrivateNetwork()
+            prefix = SWITCH_SUBNET.prefixlen
+            self.switch.run("ip", "link", "add", _BRIDGE, "type", "bridge")
+            self.switch.run("ip", "addr", "add", f"{SWITCH_SUBNET[1]}/{prefix}", "dev", _BRIDGE)
+            self.switch.run("ip", "link", "set", _BRIDGE, "up")
+            for slot in range(num_tasks):
+                task = PrivateNetwork()
+                self.tasks.append(task)
+                self.switch.run("ip", "link", "add", f"port{slot}", "mtu", str(_SWITCH_MTU),
+                                "type", "veth", "peer", "name", "eth0", "mtu", str(_SWITCH_MTU),
+                                "netns", f"/proc/{os.getpid()}/fd/{task.fd}")
+                self.switch.run("ip", "link", "set", f"port{slot}", "master", _BRIDGE, "up")
+                task.run("ip", "addr", "add", f"{switched_address(slot)}/{prefix}", "dev", "eth0")
+                task.run("ip", "link", "set", "eth0", "up")
+        except BaseException:
+            self.close()
+            raise
+
+    def address(self, slot):
+        return switched_address(slot)
+
+    def enter_in_child(self, slot):
+        """For `subprocess.Popen(preexec_fn=...)`: the child starts in task `slot`'s namespace."""
+        self.tasks[slot].enter_in_child()
+
+    def inside(self):
+        """Runs the block's socket calls (this thread only) on the switch, which reaches every
+        task's address."""
+        return self.switch.inside()
+
+    def limit_bandwidth(self, rate):
+        """Gives every task a link of `rate` each way (tc tbf on both ends of its cable)."""
+        bits = parse_bandwidth(rate)
+        for slot, task in enumerate(self.tasks):
+            _shape(task, "eth0", bits, rate)
+            _shape(self.switch, f"port{slot}", bits, rate)
+
+    def connect_outbound(self, timeout=10.0):
+        """Gives every task's namespace outbound connections through a slirp4netns of its own
+        (`PrivateNetwork.connect_outbound`); None, or why not (a sentence)."""
+        for task in self.tasks:
+            why_not = task.connect_outbound(timeout)
+            if why_not is not None:
+                return why_not
+        return None
+
+    @property
+    def has_outbound(self):
+        return all(task.has_outbound for task in self.tasks)
+
+    def close(self):
+        for task in self.tasks:
+            task.close()
+        self.tasks = []
+        if self.switch is not None:
+            self.switch.close()
+            self.switch = None
 
 
 def loopback_resolvers(path="/etc/resolv.conf"):

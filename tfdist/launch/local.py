@@ -34,9 +34,11 @@ from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import pick_free_ports
 from tfdist.cluster import wait_for_tasks
 from tfdist.launch.isolation import IsolationUnavailable
+from tfdist.launch.isolation import SwitchedNetwork
 from tfdist.launch.isolation import loopback_resolvers
 from tfdist.launch.isolation import parse_bandwidth
 from tfdist.launch.isolation import private_network
+from tfdist.launch.isolation import switched_address
 
 # Set for every task: blocking ops across clients hang with streaming enqueue (the ps runs
 # each client's eager ops on one thread, so one blocked op freezes every client).
@@ -129,11 +131,17 @@ class LocalCluster:
       isolate_network: "auto" (default) runs the tasks in a private network namespace, or
         warns loudly where the system refuses one; True requires it; False runs them on the
         machine's network.
-      bandwidth: None, or a rate such as "100mbit" or "1gbit" that the private network's
-        loopback is limited to (tc's token bucket), so that communication costs show on
-        one machine. Every task's traffic crosses that one link: the tasks share its rate.
-        Needs the private network (and `tc`): refused with `isolate_network=False`, an error
-        where the system refuses.
+      bandwidth: None, or a rate such as "100mbit" or "1gbit" that the private network is
+        limited to (tc's token bucket), so that communication costs show on one machine: on
+        a switched network (the default with a bandwidth) every task's own link, each way;
+        on a hub the one loopback that every task's traffic crosses, so the tasks share its
+        rate. Needs the private network (and `tc`): refused with `isolate_network=False`, an
+        error where the system refuses.
+      topology: how the tasks are connected. "switched": each task in a private network
+        namespace of its own, with an address of its own on a bridge (`SwitchedNetwork`), as
+        machines on a switch; `host` is then ignored. "hub": every task in one private
+        namespace, on its loopback. None (default): "switched" with a `bandwidth`, else
+        "hub".
       outbound_network: "auto" (default) gives the private network outbound connections
         through slirp4netns where it is installed (nothing can connect in); False keeps it
         sealed: the tasks reach each other and nothing else.
@@ -143,7 +151,7 @@ class LocalCluster:
                  env=None, output=sys.stdout, host="localhost", ps_threads=None,
                  startup_timeout=30.0, cwd=None, stop_on_failure=True,
                  isolate_network="auto", ps_imports=(), bandwidth=None, max_lines=10000,
-                 outbound_network="auto"):
+                 outbound_network="auto", topology=None):
         if not command or isinstance(command, str):
             raise ValueError(f"`command` must be a non-empty argv list. Received: {command!r}")
         if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
@@ -186,11 +194,23 @@ class LocalCluster:
                                  "network: it needs `isolate_network` 'auto' or True. "
                                  "Received: isolate_network=False")
         self.bandwidth = bandwidth
+        if topology not in (None, "switched", "hub"):
+            raise ValueError(f"`topology` must be 'switched', 'hub' or None. Received: "
+                             f"{topology!r}")
+        if topology is None:
+            topology = "switched" if bandwidth is not None else "hub"
+        if topology == "switched" and isolate_network is False:
+            raise ValueError("`topology`='switched' connects private network namespaces: it "
+                             "needs `isolate_network` 'auto' or True. Received: "
+                             "isolate_network=False")
+        self.topology = topology
         self.network = None
         ports = pick_free_ports(num_ps + num_workers)
+        hosts = ([switched_address(slot) for slot in range(num_ps + num_workers)]
+                 if topology == "switched" else [host] * (num_ps + num_workers))
         self.config = ClusterConfig.from_hosts(
-            ps_hosts=[f"{host}:{p}" for p in ports[:num_ps]],
-            worker_hosts=[f"{host}:{p}" for p in ports[num_ps:]])
+            ps_hosts=[f"{h}:{p}" for h, p in zip(hosts[:num_ps], ports[:num_ps])],
+            worker_hosts=[f"{h}:{p}" for h, p in zip(hosts[num_ps:], ports[num_ps:])])
         self._lines = collections.deque(maxlen=max_lines)
         self._recorded = 0
         self._lock = threading.Lock()
@@ -213,10 +233,14 @@ class LocalCluster:
         env["TF_CONFIG"] = config.to_json()
         network, launcher = self.network, os.getpid()
         death_signal = signal.SIGKILL if config.task_type == "ps" else signal.SIGTERM
+        # The task's place on a switched network: the ps tasks first, then the workers.
+        slot = config.task_index + (config.num_ps if config.task_type == "worker" else 0)
 
         def preexec():
             die_with(launcher, death_signal)
-            if network is not None:
+            if isinstance(network, SwitchedNetwork):
+                network.enter_in_child(slot)
+            elif network is not None:
                 network.enter_in_child()
 
         self._tasks[name] = _Task(name, argv, env, self._record, self.cwd, preexec)
@@ -227,13 +251,18 @@ class LocalCluster:
         try:
             if self.isolate_network and self.network is None:
                 try:
-                    self.network = private_network(
-                        required=self.isolate_network is True or self.bandwidth is not None)
+                    if self.topology == "switched":
+                        self.network = SwitchedNetwork(
+                            self.config.num_ps + len(self.config.cluster["worker"]))
+                    else:
+                        self.network = private_network(
+                            required=self.isolate_network is True or self.bandwidth is not None)
                 except IsolationUnavailable as e:
-                    if self.bandwidth is None:
+                    if self.bandwidth is None and self.topology == "hub":
                         raise
-                    message = (f"`bandwidth`={self.bandwidth!r} limits a private network "
-                               f"namespace: {e}")
+                    needs = (f"`bandwidth`={self.bandwidth!r} limits"
+                             if self.bandwidth is not None else "`topology`='switched' needs")
+                    message = f"{needs} a private network namespace: {e}"
                     raise IsolationUnavailable(e.errno, message) from None
                 if self.bandwidth is not None:
                     self.network.limit_bandwidth(self.bandwidth)
@@ -265,7 +294,9 @@ class LocalCluster:
                     "connect in, and this machine's loopback services are out of reach"
                     + (f", its name server {resolvers[0]} too: host names do not resolve "
                        "there" if resolvers else "") + ")")
-        return ("the tasks run in a private network with only a loopback: they reach each "
+        where = ("private networks joined by a switch of their own"
+                 if self.topology == "switched" else "a private network with only a loopback")
+        return (f"the tasks run in {where}: they reach each "
                 f"other, and nothing else (no downloads, no logging services: {why_not}); "
                 "--noisolate_network / isolate_network=False gives them this machine's "
                 "network")

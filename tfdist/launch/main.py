@@ -75,8 +75,15 @@ flags.DEFINE_bool("outbound_network", True,
                   "nothing can connect in. --nooutbound_network keeps the network sealed.")
 flags.DEFINE_string("bandwidth", None,
                     "With --local: limit the cluster's private network to this rate (e.g. "
-                    "100mbit, 1gbit; tc's units), shared by all its tasks, so that "
-                    "communication costs show on one machine.")
+                    "100mbit, 1gbit; tc's units), so that communication costs show on one "
+                    "machine: each task's own link, each way, on the switched network (the "
+                    "default with --bandwidth); the one link all tasks share with "
+                    "--topology=hub.")
+flags.DEFINE_enum("topology", None, ["switched", "hub"],
+                  "With --local: 'switched' gives every task a private network namespace and "
+                  "an address of its own on a bridge, as machines on a switch; 'hub' runs "
+                  "every task in one namespace, on its loopback. Default: switched with "
+                  "--bandwidth, else hub.")
 flags.DEFINE_float("grace_period", 3.0,
                    "With --local: seconds the other tasks get after one fails.", lower_bound=0)
 
@@ -229,12 +236,14 @@ def _run_local(command):
                                isolate_network="auto" if FLAGS.isolate_network else False,
                                ps_imports=FLAGS.ps_import, bandwidth=FLAGS.bandwidth,
                                outbound_network="auto" if FLAGS.outbound_network else False,
+                               topology=FLAGS.topology,
                                **({} if FLAGS.connect_timeout is None
                                   else {"startup_timeout": FLAGS.connect_timeout}))
     except ValueError as e:
-        raise app.UsageError(str(e).replace("`bandwidth`", "--bandwidth").replace(
-            "`isolate_network` 'auto' or True. Received: isolate_network=False",
-            "the private network. Received: --noisolate_network")) from None
+        raise app.UsageError(
+            str(e).replace("`bandwidth`", "--bandwidth").replace("`topology`", "--topology")
+            .replace("`isolate_network` 'auto' or True. Received: isolate_network=False",
+                     "the private network. Received: --noisolate_network")) from None
 
     received = []
 
@@ -403,6 +412,10 @@ def main(argv):
         raise app.UsageError(f"--bandwidth limits the private network of a --local cluster; "
                              f"a cluster of separate machines runs on their own network. "
                              f"Received: --bandwidth={FLAGS.bandwidth} without --local")
+    if FLAGS.topology is not None and not FLAGS.local:
+        raise app.UsageError(f"--topology connects the tasks of a --local cluster; a cluster "
+                             f"of separate machines runs on their own network. Received: "
+                             f"--topology={FLAGS.topology} without --local")
     if FLAGS.kubernetes_manifest:
         return _write_manifests(command)
     if FLAGS.local:
