@@ -819,6 +819,22 @@ class UnevenBatchesTest(UnevenBatchesMixin, tf.test.TestCase, parameterized.Test
             strategy.reduce("SUM", batch[0], axis=None)
 
 
+    def test_a_replica_without_examples_leaves_batchnorm_finite(self):
+        # The last batch of 34 rows in batches of 32 is 2 rows over 3 replicas: one has
+        # none, and its BatchNormalization gradient is NaN; weighted 0, it must add nothing.
+        if len(tf.config.list_logical_devices("CPU")) < 3:
+            self.skipTest("needs three logical CPUs (set by tests/conftest.py)")
+        x, y = collective_program.data()
+        with tfdist.strategies.CompressedMirroredStrategy(THREE_DEVICES).scope():
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4),
+                                      keras.layers.BatchNormalization(),
+                                      keras.layers.Dense(2, activation="softmax")])
+            model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        history = model.fit(x[:34], y[:34], batch_size=32, epochs=1, verbose=0).history
+        self.assertTrue(np.isfinite(history["loss"][0]))
+        for weight in model.get_weights():
+            self.assertTrue(np.all(np.isfinite(weight)), weight)
+
     def test_collectives_run_inside_keras_steps_per_execution_loop(self):
         # TF 2.21's own MirroredStrategy over CPUs (collective ops, as MultiWorkerMirrored
         # between workers) fails in Keras's multi-step loop: the collectives' call-time

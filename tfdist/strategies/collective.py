@@ -464,15 +464,23 @@ def _examples_per_replica(args):
 
 
 def _weighted(value, weights):
-    """`value`'s per-replica components, each multiplied by its replica's weight."""
+    """`value`'s per-replica components, each multiplied by its replica's weight.
+
+    A replica with no examples (weight 0) gives zeros: its gradient may be NaN (a
+    BatchNormalization's over an empty batch), and 0 * NaN would spread through the sum.
+    """
+    def scaled(tensor, weight):
+        weight = tf.cast(weight, tensor.dtype)
+        return tf.where(weight > 0, tensor * weight, tf.zeros_like(tensor))
+
     parts = []
     for part, weight in zip(_components(value), weights):
         with tf.device(part.device):
             if isinstance(part, tf.IndexedSlices):
-                part = tf.IndexedSlices(part.values * tf.cast(weight, part.values.dtype),
-                                        part.indices, part.dense_shape)
+                part = tf.IndexedSlices(scaled(part.values, weight), part.indices,
+                                        part.dense_shape)
             else:
-                part = part * tf.cast(weight, part.dtype)
+                part = scaled(part, weight)
         parts.append(part)
     return _tf_compat.regroup(tuple(parts))
 
