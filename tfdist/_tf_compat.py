@@ -168,6 +168,24 @@ def keras_model_of_step(fn):
     return owner if isinstance(owner, keras.Model) else None
 
 
+def keras_own_train_step(fn):
+    """The Keras model whose `fn` is Keras's own TF `train_step`, with Keras's own
+    `compute_loss`, or None (a test step, a user's `train_step` or `compute_loss`, a custom
+    loop: any of them may scale its loss its own way)."""
+    import inspect
+
+    import keras
+
+    model = keras_model_of_step(fn)
+    if model is None:
+        return None
+    step = getattr(inspect.unwrap(fn), "__func__", None)
+    if (step is not keras.Model.train_step
+            or type(model).compute_loss is not keras.Model.compute_loss):
+        return None
+    return model
+
+
 def inside_while_loop():
     """Whether the function being traced is part of a `tf.while_loop` body or condition
     (Keras 3 runs `steps_per_execution > 1` steps in one)."""

@@ -819,6 +819,56 @@ class UnevenBatchesTest(UnevenBatchesMixin, tf.test.TestCase, parameterized.Test
             strategy.reduce("SUM", batch[0], axis=None)
 
 
+    def fit_like_one_process(self, loss, sample_weight=None, model_class=keras.Sequential):
+        """Weights after `fit` on 100 rows in batches of 32 (11, 11, 10 over 3 replicas, a
+        last batch of 4): one process's and CompressedMirroredStrategy's."""
+        if len(tf.config.list_logical_devices("CPU")) < 3:
+            self.skipTest("needs three logical CPUs (set by tests/conftest.py)")
+        x, y = collective_program.data()
+        x, y = x[:collective_program.UNEVEN_ROWS], y[:collective_program.UNEVEN_ROWS]
+        weights = None if sample_weight is None else sample_weight[:len(x)]
+
+        def fit(strategy):
+            with strategy.scope():
+                keras.utils.set_random_seed(1)
+                model = model_class([keras.Input((8,)), keras.layers.Dense(16, "tanh"),
+                                     keras.layers.Dense(2, activation="softmax")])
+                model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+            model.fit(x, y, sample_weight=weights, batch_size=32, epochs=1, shuffle=False,
+                      verbose=0)
+            return model.get_weights()
+
+        return (fit(tf.distribute.get_strategy()),
+                fit(tfdist.strategies.CompressedMirroredStrategy(THREE_DEVICES)))
+
+    def test_a_summed_loss_is_not_weighted(self):
+        # Keras does not divide a summed loss by the replicas: the replicas' gradients add
+        # up to one process's as they are.
+        want, got = self.fit_like_one_process(
+            keras.losses.SparseCategoricalCrossentropy(reduction="sum"))
+        for a, b in zip(want, got):
+            self.assertAllClose(a, b, rtol=1e-5, atol=1e-6)
+
+    def test_sample_weights_with_an_averaged_loss_equal_one_process(self):
+        # `sum_over_batch_size` divides by the rows, not the weights: weighting each
+        # replica by its rows is exact with sample weights too.
+        sample_weight = np.random.RandomState(2).uniform(0.1, 2.0, 128).astype("float32")
+        want, got = self.fit_like_one_process("sparse_categorical_crossentropy",
+                                              sample_weight)
+        for a, b in zip(want, got):
+            self.assertAllClose(a, b, rtol=1e-5, atol=1e-6)
+
+    def test_a_users_train_step_is_not_weighted(self):
+        # A user's own `train_step` may scale its loss by the global batch itself: the
+        # strategy leaves its gradients as TF's would (the replicas' means averaged).
+        class OwnStep(keras.Sequential):
+            def train_step(self, data):
+                return super().train_step(data)
+
+        want, got = self.fit_like_one_process("sparse_categorical_crossentropy",
+                                              model_class=OwnStep)
+        self.assertNotAllClose(want[0], got[0], rtol=1e-5, atol=1e-6)
+
     def test_a_replica_without_examples_leaves_batchnorm_finite(self):
         # The last batch of 34 rows in batches of 32 is 2 rows over 3 replicas: one has
         # none, and its BatchNormalization gradient is NaN; weighted 0, it must add nothing.

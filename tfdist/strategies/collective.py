@@ -23,6 +23,7 @@ import itertools
 import logging
 import os
 
+import keras
 import tensorflow as tf
 
 from tfdist import _tf_compat
@@ -107,11 +108,13 @@ class _CompressedExchangeMixin:
     def _call_for_each_replica(self, fn, args, kwargs):
         outer = self._step_trace is None
         if outer:
-            # Keras's own step averages each replica's loss over its own rows; a custom
-            # loop's function may already scale by the global batch: weighted only the first.
-            keras_step = _tf_compat.keras_model_of_step(fn) is not None
+            # Keras's own step averages each replica's loss over its own rows; a user's
+            # step or a custom loop may already scale by the global batch, and a loss
+            # summed over the rows is right as the replicas' gradients add: weighted only
+            # the first.
+            weigh = self._averages_each_replica(_tf_compat.keras_own_train_step(fn))
             self._step_trace = {"written": False,
-                                "examples": _examples_per_replica(args) if keras_step else None}
+                                "examples": _examples_per_replica(args) if weigh else None}
             if self._exchange is not None:
                 # A step whose exchange does not run logs 0 bytes, not the last step's: a
                 # LossScaleOptimizer skips a step with non-finite gradients before it
@@ -130,6 +133,24 @@ class _CompressedExchangeMixin:
                      for name, variable in self._stats_variables().items()}
             result = {**_metrics_of_every_replica(fn, result), **compression_logs(stats)}
         return result
+
+    def _averages_each_replica(self, model):
+        """Whether `model`'s compiled losses all average over each replica's rows
+        (`sum_over_batch_size` or `mean`), which the example weights make exact."""
+        if model is None or model.loss is None:
+            return False
+        reductions = {getattr(loss, "reduction", "sum_over_batch_size")
+                      if isinstance(loss, keras.losses.Loss) else "sum_over_batch_size"
+                      for loss in tf.nest.flatten(model.loss) if loss is not None}
+        if "mean_with_sample_weight" in reductions and not getattr(
+                self, "_warned_sample_weight", False):
+            self._warned_sample_weight = True
+            log.warning(
+                "tfdist: a loss with reduction='mean_with_sample_weight' divides each "
+                "replica's loss by that replica's own sum of sample weights: when the "
+                "replicas' parts of a batch differ, the step averages the replicas' losses "
+                "as TF's strategies do, and is not the single-process step")
+        return bool(reductions) and reductions <= {"sum_over_batch_size", "mean"}
 
     def _record_stats(self, stats):
         """Adds one exchange's statistics to the step's (two optimizers in a step add)."""
@@ -195,7 +216,9 @@ class _CompressedExchangeMixin:
         global batch that the replicas do not divide (32 over 3: 11, 11, 10), or a last
         partial batch (some replicas get none), would weight some examples more than others;
         weighted, the summed gradient is the single-process gradient of the same global
-        batch (as `tf.nn.compute_average_loss` does with no `global_batch_size`). None when
+        batch (`tf.nn.compute_average_loss(..., global_batch_size=<the true global
+        batch>)`). Only for losses averaged over each replica's rows (see
+        `_averages_each_replica`). None when
         every replica has as many examples: then every weight is 1 and nothing is added.
         """
         trace = self._step_trace
