@@ -141,16 +141,23 @@ def keras_builds_from_a_batch():
     of `fit` / `evaluate` to `Strategy.reduce("MEAN", batch, axis=None)` and reads only the
     shape and dtype of what comes back (keras-team/keras#20585). Reducing it moves a whole
     batch between the workers and fails when the replicas' batches differ in size (32 rows
-    over 3 replicas are 11, 11 and 10). Keras offers no hook for it; the frame that called
-    the strategy's `reduce` (the caller of this function) tells.
+    over 3 replicas are 11, 11 and 10). Keras offers no hook for it; a frame of that very
+    method's code among the few callers of the strategy's `reduce` tells (pinned to Keras
+    3.15's `_maybe_symbolic_build` by a test).
     """
     import sys
 
-    import keras
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
-    caller = sys._getframe(2)  # the caller of the strategy's `reduce`
-    return (caller.f_code.co_name == "_maybe_symbolic_build"
-            and isinstance(caller.f_locals.get("self"), keras.Model))
+    code = TensorFlowTrainer._maybe_symbolic_build.__code__  # pylint: disable=protected-access
+    frame = sys._getframe(2)  # the caller of the strategy's `reduce`
+    for _ in range(4):
+        if frame is None:
+            return False
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def keras_model_of_step(fn):

@@ -16,6 +16,7 @@ import tfdist
 from tests.strategies import collective_program
 from tfdist.compression.base import num_selected
 from tfdist.launch import LocalCluster
+from tfdist.strategies import collective
 
 PROGRAM = collective_program.__file__
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -868,6 +869,28 @@ class UnevenBatchesTest(UnevenBatchesMixin, tf.test.TestCase, parameterized.Test
         want, got = self.fit_like_one_process("sparse_categorical_crossentropy",
                                               model_class=OwnStep)
         self.assertNotAllClose(want[0], got[0], rtol=1e-5, atol=1e-6)
+
+    def test_the_build_reduce_is_found_by_keras_315s_own_method(self):
+        # `reduce` tells Keras's build by the code of TensorFlowTrainer._maybe_symbolic_build
+        # (keras-team/keras#20585). Another Keras must be checked again: does it still
+        # reduce the first batch there, and only read its shapes?
+        import inspect
+
+        from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+        self.assertEqual(tuple(int(v) for v in keras.version().split(".")[:2]), (3, 15))
+        self.assertIn("self.distribute_strategy.reduce(",
+                      inspect.getsource(TensorFlowTrainer._maybe_symbolic_build))
+
+    def test_sparse_and_ragged_inputs_count_their_rows(self):
+        strategy = tfdist.strategies.CompressedMirroredStrategy(THREE_DEVICES[:2])
+        sparse = tf.sparse.from_dense(tf.eye(5))
+        ragged = tf.ragged.constant([[1], [2, 3], [4]])
+        for value, want in ((sparse, 5), (ragged, 3)):
+            per_replica = strategy.experimental_distribute_values_from_function(
+                lambda context, value=value: value)
+            counts = collective._examples_per_replica((per_replica,))
+            self.assertEqual([int(n) for n in counts], [want, want])
 
     def test_a_replica_without_examples_leaves_batchnorm_finite(self):
         # The last batch of 34 rows in batches of 32 is 2 rows over 3 replicas: one has

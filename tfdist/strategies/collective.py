@@ -473,16 +473,24 @@ def _metrics_of_every_replica(fn, logs):
 def _examples_per_replica(args):
     """The number of examples in each local replica's part of a step's data (the leading
     dimension of its first input, as Keras counts them: an int where the shape says it, a
-    tensor otherwise), or None if `args` holds no per-replica dense data."""
-    for leaf in tf.nest.flatten(args):
+    tensor otherwise; a sparse input's dense_shape[0], a ragged one's rows), or None if
+    `args` holds no per-replica data."""
+    def rows(part):
+        if isinstance(part, tf.SparseTensor):
+            return part.dense_shape[0]
+        if isinstance(part, tf.RaggedTensor):
+            return part.nrows()
+        if isinstance(part, tf.Tensor) and part.shape.rank:
+            return part.shape[0] if part.shape[0] is not None else tf.shape(part)[0]
+        return None
+
+    for leaf in tf.nest.flatten(args, expand_composites=False):
         if leaf is None:
             continue
         if not isinstance(leaf, tf.distribute.DistributedValues):
             return None
-        parts = leaf.values
-        if not all(isinstance(p, tf.Tensor) and p.shape.rank for p in parts):
-            return None
-        return [p.shape[0] if p.shape[0] is not None else tf.shape(p)[0] for p in parts]
+        counts = [rows(part) for part in leaf.values]
+        return None if any(n is None for n in counts) else counts
     return None
 
 
