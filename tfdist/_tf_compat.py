@@ -141,23 +141,17 @@ def keras_builds_from_a_batch():
     of `fit` / `evaluate` to `Strategy.reduce("MEAN", batch, axis=None)` and reads only the
     shape and dtype of what comes back (keras-team/keras#20585). Reducing it moves a whole
     batch between the workers and fails when the replicas' batches differ in size (32 rows
-    over 3 replicas are 11, 11 and 10). Keras offers no hook for it; a frame of that very
-    method's code among the few callers of the strategy's `reduce` tells (pinned to Keras
-    3.15's `_maybe_symbolic_build` by a test).
+    over 3 replicas are 11, 11 and 10). Keras offers no hook for it; the frame that called
+    the strategy's `reduce` (the caller of this function) tells when its code is that very
+    method's (pinned to Keras 3.15 by a test). Only the direct caller: a reduce made further
+    down, inside the build, is a real reduce.
     """
     import sys
 
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
     code = TensorFlowTrainer._maybe_symbolic_build.__code__  # pylint: disable=protected-access
-    frame = sys._getframe(2)  # the caller of the strategy's `reduce`
-    for _ in range(4):
-        if frame is None:
-            return False
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
+    return sys._getframe(2).f_code is code  # the caller of the strategy's `reduce`
 
 
 def keras_model_of_step(fn):
@@ -218,7 +212,10 @@ def use_trace_time_instance_keys_in_loops(cross_device_ops):
     tensor ...". A key fixed when the op is traced is what TF's collectives used before
     call-time keys, and is safe in a loop: the collective executor tells the iterations of
     one op apart by its frame and iteration. Every worker traces the same steps in the same
-    order (Keras traces on each worker's first call), so their keys agree.
+    order (Keras traces on each worker's first call), so their keys agree. The limit: these
+    keys come from the per-device counter the call-time keys use, so a function that one
+    worker alone traces (or retraces, for an input shape only it sees) shifts that worker's
+    later keys against the others', and their collectives do not meet.
     """
     import types
 
