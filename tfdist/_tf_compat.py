@@ -146,15 +146,16 @@ def keras_builds_from_a_batch():
     shape and dtype of what comes back (keras-team/keras#20585). Reducing it moves a whole
     batch between the workers and fails when the replicas' batches differ in size (32 rows
     over 3 replicas are 11, 11 and 10). Keras offers no hook for it; the frame that called
-    the strategy's `reduce` (the caller of this function) tells.
+    the strategy's `reduce` (the caller of this function) tells when its code is that very
+    method's (pinned to Keras 3.15 by a test). Only the direct caller: a reduce made further
+    down, inside the build, is a real reduce.
     """
     import sys
 
-    import keras
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
-    caller = sys._getframe(2)  # the caller of the strategy's `reduce`
-    return (caller.f_code.co_name == "_maybe_symbolic_build"
-            and isinstance(caller.f_locals.get("self"), keras.Model))
+    code = TensorFlowTrainer._maybe_symbolic_build.__code__  # pylint: disable=protected-access
+    return sys._getframe(2).f_code is code  # the caller of the strategy's `reduce`
 
 
 def keras_model_of_step(fn):
@@ -170,6 +171,24 @@ def keras_model_of_step(fn):
 
     owner = getattr(inspect.unwrap(fn), "__self__", None)
     return owner if isinstance(owner, keras.Model) else None
+
+
+def keras_own_train_step(fn):
+    """The Keras model whose `fn` is Keras's own TF `train_step`, with Keras's own
+    `compute_loss`, or None (a test step, a user's `train_step` or `compute_loss`, a custom
+    loop: any of them may scale its loss its own way)."""
+    import inspect
+
+    import keras
+
+    model = keras_model_of_step(fn)
+    if model is None:
+        return None
+    step = getattr(inspect.unwrap(fn), "__func__", None)
+    if (step is not keras.Model.train_step
+            or type(model).compute_loss is not keras.Model.compute_loss):
+        return None
+    return model
 
 
 def inside_while_loop():
@@ -197,7 +216,10 @@ def use_trace_time_instance_keys_in_loops(cross_device_ops):
     tensor ...". A key fixed when the op is traced is what TF's collectives used before
     call-time keys, and is safe in a loop: the collective executor tells the iterations of
     one op apart by its frame and iteration. Every worker traces the same steps in the same
-    order (Keras traces on each worker's first call), so their keys agree.
+    order (Keras traces on each worker's first call), so their keys agree. The limit: these
+    keys come from the per-device counter the call-time keys use, so a function that one
+    worker alone traces (or retraces, for an input shape only it sees) shifts that worker's
+    later keys against the others', and their collectives do not meet.
     """
     import types
 

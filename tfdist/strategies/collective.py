@@ -23,6 +23,7 @@ import itertools
 import logging
 import os
 
+import keras
 import tensorflow as tf
 
 from tfdist import _tf_compat
@@ -107,11 +108,13 @@ class _CompressedExchangeMixin:
     def _call_for_each_replica(self, fn, args, kwargs):
         outer = self._step_trace is None
         if outer:
-            # Keras's own step averages each replica's loss over its own rows; a custom
-            # loop's function may already scale by the global batch: weighted only the first.
-            keras_step = _tf_compat.keras_model_of_step(fn) is not None
+            # Keras's own step averages each replica's loss over its own rows; a user's
+            # step or a custom loop may already scale by the global batch, and a loss
+            # summed over the rows is right as the replicas' gradients add: weighted only
+            # the first.
+            weigh = self._averages_each_replica(_tf_compat.keras_own_train_step(fn))
             self._step_trace = {"written": False,
-                                "examples": _examples_per_replica(args) if keras_step else None}
+                                "examples": _examples_per_replica(args) if weigh else None}
             if self._exchange is not None:
                 # A step whose exchange does not run logs 0 bytes, not the last step's: a
                 # LossScaleOptimizer skips a step with non-finite gradients before it
@@ -130,6 +133,24 @@ class _CompressedExchangeMixin:
                      for name, variable in self._stats_variables().items()}
             result = {**_metrics_of_every_replica(fn, result), **compression_logs(stats)}
         return result
+
+    def _averages_each_replica(self, model):
+        """Whether `model`'s compiled losses all average over each replica's rows
+        (`sum_over_batch_size` or `mean`), which the example weights make exact."""
+        if model is None or model.loss is None:
+            return False
+        reductions = {getattr(loss, "reduction", "sum_over_batch_size")
+                      if isinstance(loss, keras.losses.Loss) else "sum_over_batch_size"
+                      for loss in tf.nest.flatten(model.loss) if loss is not None}
+        if "mean_with_sample_weight" in reductions and not getattr(
+                self, "_warned_sample_weight", False):
+            self._warned_sample_weight = True
+            log.warning(
+                "tfdist: a loss with reduction='mean_with_sample_weight' divides each "
+                "replica's loss by that replica's own sum of sample weights: when the "
+                "replicas' parts of a batch differ, the step averages the replicas' losses "
+                "as TF's strategies do, and is not the single-process step")
+        return bool(reductions) and reductions <= {"sum_over_batch_size", "mean"}
 
     def _record_stats(self, stats):
         """Adds one exchange's statistics to the step's (two optimizers in a step add)."""
@@ -195,7 +216,9 @@ class _CompressedExchangeMixin:
         global batch that the replicas do not divide (32 over 3: 11, 11, 10), or a last
         partial batch (some replicas get none), would weight some examples more than others;
         weighted, the summed gradient is the single-process gradient of the same global
-        batch (as `tf.nn.compute_average_loss` does with no `global_batch_size`). None when
+        batch (`tf.nn.compute_average_loss(..., global_batch_size=<the true global
+        batch>)`). Only for losses averaged over each replica's rows (see
+        `_averages_each_replica`). None when
         every replica has as many examples: then every weight is 1 and nothing is added.
         """
         trace = self._step_trace
@@ -450,29 +473,45 @@ def _metrics_of_every_replica(fn, logs):
 def _examples_per_replica(args):
     """The number of examples in each local replica's part of a step's data (the leading
     dimension of its first input, as Keras counts them: an int where the shape says it, a
-    tensor otherwise), or None if `args` holds no per-replica dense data."""
-    for leaf in tf.nest.flatten(args):
+    tensor otherwise; a sparse input's dense_shape[0], a ragged one's rows), or None if
+    `args` holds no per-replica data."""
+    def rows(part):
+        if isinstance(part, tf.SparseTensor):
+            return part.dense_shape[0]
+        if isinstance(part, tf.RaggedTensor):
+            return part.nrows()
+        if isinstance(part, tf.Tensor) and part.shape.rank:
+            return part.shape[0] if part.shape[0] is not None else tf.shape(part)[0]
+        return None
+
+    for leaf in tf.nest.flatten(args, expand_composites=False):
         if leaf is None:
             continue
         if not isinstance(leaf, tf.distribute.DistributedValues):
             return None
-        parts = leaf.values
-        if not all(isinstance(p, tf.Tensor) and p.shape.rank for p in parts):
-            return None
-        return [p.shape[0] if p.shape[0] is not None else tf.shape(p)[0] for p in parts]
+        counts = [rows(part) for part in leaf.values]
+        return None if any(n is None for n in counts) else counts
     return None
 
 
 def _weighted(value, weights):
-    """`value`'s per-replica components, each multiplied by its replica's weight."""
+    """`value`'s per-replica components, each multiplied by its replica's weight.
+
+    A replica with no examples (weight 0) gives zeros: its gradient may be NaN (a
+    BatchNormalization's over an empty batch), and 0 * NaN would spread through the sum.
+    """
+    def scaled(tensor, weight):
+        weight = tf.cast(weight, tensor.dtype)
+        return tf.where(weight > 0, tensor * weight, tf.zeros_like(tensor))
+
     parts = []
     for part, weight in zip(_components(value), weights):
         with tf.device(part.device):
             if isinstance(part, tf.IndexedSlices):
-                part = tf.IndexedSlices(part.values * tf.cast(weight, part.values.dtype),
-                                        part.indices, part.dense_shape)
+                part = tf.IndexedSlices(scaled(part.values, weight), part.indices,
+                                        part.dense_shape)
             else:
-                part = part * tf.cast(weight, part.dtype)
+                part = scaled(part, weight)
         parts.append(part)
     return _tf_compat.regroup(tuple(parts))
 
