@@ -6,8 +6,11 @@ Two phases in one run, so that a cell costs one start-up:
 
 1. quality: the workers train `--quality_examples` examples in all (each its share, batch
    `--batch_size`, one pass over its shard of the data), then the chief evaluates the model on
-   20,000 examples of its own seed and writes `quality.json` (loss, accuracy). This phase is
-   also the warm-up: every trace is done before the timing starts.
+   20,000 examples of its own seed and writes `quality.json` (loss, accuracy). The workers
+   meet before and after the evaluation (files in `--out_dir`: the cluster is local), so
+   that the evaluated model has trained exactly `--quality_examples` examples: an async
+   worker that went on to the rate phase would train the model under evaluation. This phase
+   is also the warm-up: every trace is done before the timing starts.
 2. rate: the workers train on; the chief measures over `--window` seconds (after `--warmup`)
    the global updates per second, the pushes of all workers, and the bytes the cluster's
    private network carried (its loopback's transmit counter: every byte between two tasks
@@ -24,6 +27,7 @@ import inspect
 import json
 import os
 import threading
+import time
 
 import embedding_job as job
 import keras
@@ -47,6 +51,20 @@ flags.DEFINE_enum("embedding_tables", "auto", ["auto", "none"],
                   "keeps the tables on the ps; none mirrors them on every worker.")
 
 TEST_EXAMPLES = 20000
+MEET_SECONDS = 600.0
+
+
+def _meet(names, who):
+    """Waits until every file of `names` exists in `--out_dir` (written by the other
+    workers), at most `MEET_SECONDS`."""
+    deadline = time.monotonic() + MEET_SECONDS
+    paths = [os.path.join(FLAGS.out_dir, name) for name in names]
+    while not all(os.path.exists(path) for path in paths):
+        if time.monotonic() > deadline:
+            missing = [name for name, path in zip(names, paths) if not os.path.exists(path)]
+            raise RuntimeError(f"{who}: after {MEET_SECONDS:g} s still no {missing} in "
+                               f"--out_dir={FLAGS.out_dir}")
+        time.sleep(0.05)
 
 
 def _loopback_bytes():
@@ -93,7 +111,10 @@ def main(argv):
         raise app.UsageError(f"--quality_examples={FLAGS.quality_examples} needs "
                              f"{share} examples per worker; --train_examples gives {len(x)}")
     model.fit(x[:share], y[:share], batch_size=FLAGS.batch_size, epochs=1, verbose=0)
+    rank = 0 if chief else strategy.worker_index
+    _write(f"trained{rank}", {})
     if chief:
+        _meet([f"trained{i}" for i in range(num_workers)], "the chief's evaluation")
         x_test, y_test = job.generate(FLAGS.rows, TEST_EXAMPLES, seed=1)
         loss, accuracy = model.evaluate(x_test, y_test, batch_size=1024, verbose=0)
         _write("quality.json", {"loss": float(loss), "accuracy": float(accuracy),
@@ -101,6 +122,8 @@ def main(argv):
                                 "embedding_tables": embedding_tables,
                                 "network_namespace": loopback_counters()["network_namespace"],
                                 "placement": strategy.placement() if strategy else None})
+    else:
+        _meet(["quality.json"], f"worker {rank}'s rate phase")
     pace = ps_worker._Pace(0.0, os.path.join(FLAGS.out_dir, "stop"),
                            FLAGS.steps_per_execution)
     if chief:
@@ -111,7 +134,7 @@ def main(argv):
     if strategy is not None:
         strategy.join()
     times = pace.step_times[5:] or pace.step_times
-    _write(f"worker{0 if chief else strategy.worker_index}.json",
+    _write(f"worker{rank}.json",
            {"median_step_seconds": float(np.median(times)) if times else None,
             "steps": pace.steps})
 
