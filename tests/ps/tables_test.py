@@ -81,6 +81,27 @@ class TableVariableTest(tf.test.TestCase):
         np.add.at(expected, ids.numpy(), 2 * value[ids.numpy()])
         self.assertAllEqual(tf.convert_to_tensor(grad), expected)
 
+    def test_a_step_that_records_lookups_hands_the_rows_it_read_to_its_push(self):
+        # Delay compensation per row: the push of a step carries the rows its lookups read
+        # (ids and values, a row read twice there twice), once; outside a step nothing is kept.
+        table, value = _table()
+        table.record_lookups()
+        table.sparse_read([1, 2])  # eager, outside a step
+
+        @tf.function
+        def step(first, second):
+            with replica_step():
+                rows = table.sparse_read(first) + table.sparse_read(second)
+                read = table.take_lookups()
+                again = table.take_lookups()
+            return rows, read.indices, read.values, tf.size(again.indices)
+
+        _, ids, rows, again = step(tf.constant([[3, 17]]), tf.constant([[17, 29]]))
+        self.assertAllEqual(ids, [3, 17, 17, 29])
+        self.assertAllEqual(rows, value[[3, 17, 17, 29]])
+        self.assertEqual(int(again), 0)
+        self.assertEmpty(table._tfdist_lookups)
+
     def test_a_keras_embedding_trains_through_row_lookups(self):
         with tf.variable_creator_scope(_table_creator(((0, 12), (12, ROWS)))):
             layer = keras.layers.Embedding(ROWS, WIDTH)

@@ -1,6 +1,7 @@
 """The ps update graph in one process, against numpy: collect (N of M, stale pushes dropped,
 counted), apply (the user's optimizer once per update, on the mean), staleness and its
-learning-rate factor, SSP's wait and release, DC-ASGD, pushed state, model averaging.
+learning-rate factor, SSP's wait and release, DC-ASGD (per row for a table), pushed state,
+model averaging.
 
 The graph runs on queues and variables created here, on the local CPU, as the ps service
 opens them on its task: no cluster.
@@ -290,11 +291,12 @@ class StateAndAveragingTest(tf.test.TestCase):
 class TableTest(tf.test.TestCase):
     """Embedding tables kept on the ps: a push carries the rows of their gradient."""
 
-    def shard(self, policy, num_workers=2, learning_rate=0.5):
+    def shard(self, policy, num_workers=2, learning_rate=0.5, **table_fields):
         self.table0 = np.arange(12, dtype=np.float32).reshape(6, 2)
         self.w0 = np.array([1.0, 2.0], np.float32)
         return Shard([entry("d/w", [2]),
-                      entry("e/embeddings", [6, 2], role="table", table=True, rows=[0, 6])],
+                      entry("e/embeddings", [6, 2], role="table", table=True, rows=[0, 6],
+                            **table_fields)],
                      policy, {"d/w": self.w0, "e/embeddings": self.table0},
                      num_workers=num_workers, optimizer=sgd(learning_rate))
 
@@ -332,6 +334,34 @@ class TableTest(tf.test.TestCase):
         want = self.table0.copy()
         want[0] -= 0.1
         self.assertAllClose(bounded.value("e/embeddings"), want, rtol=1e-6)
+
+    def test_dc_asgd_compensates_each_table_row_by_the_value_its_worker_read(self):
+        # With `read_rows` a push carries, after its gradient's rows, the rows its worker's
+        # lookups read: each row's gradient (repeated rows summed) is compensated by the
+        # row's value now minus the value read (Zheng et al. 2017, per row).
+        lam, lr = 0.5, 0.5
+        shard = self.shard(AsyncPolicy(delay_compensation=lam), learning_rate=lr,
+                           read_rows=True)
+        table0, zero = self.table0, [0.0, 0.0]
+        # Worker 0 read the table as it is: nothing to compensate.
+        shard.push(0, 0, zero, rows=[([1, 3, 1], [[1.0, 1.0], [2.0, 2.0], [1.0, 0.0]]),
+                                     ([1, 3, 1], table0[[1, 3, 1]])])
+        # Worker 1 read the same table; row 3 has moved since, row 4 has not. Its lookups
+        # read rows in another order, row 3 twice.
+        g3, g4 = np.array([1.0, -1.0]), np.array([0.5, 0.5])
+        shard.push(0, 1, zero, rows=[([3, 4], [g3, g4]), ([4, 3, 3], table0[[4, 3, 3]])])
+        # A gradient row its push says it did not read stays uncompensated.
+        shard.push(0, 0, zero, rows=[([5], [[1.0, 1.0]]), ([], np.zeros([0, 2]))])
+        shard.serve(required=1)
+        want = table0.copy()
+        want[1] -= lr * np.array([2.0, 1.0])
+        want[3] -= lr * np.array([2.0, 2.0])
+        moved = want[3] - table0[3]
+        want[3] -= lr * (g3 + lam * g3 * g3 * moved)
+        want[4] -= lr * g4
+        want[5] -= lr * np.array([1.0, 1.0])
+        self.assertAllClose(shard.value("e/embeddings"), want, rtol=1e-6)
+        self.assertAllClose(shard.value("d/w"), self.w0)
 
 
 if __name__ == "__main__":

@@ -103,12 +103,14 @@ class AsyncTrainingTest(tf.test.TestCase):
         self.assertEqual(progress["dropped_gradients"], 0)
 
     def test_bounded_staleness_with_a_slow_worker(self):
+        # On a model with an embedding table kept on the ps: a dropped push drops its rows.
         out = self.get_temp_dir()
         bound = 2
-        cluster, result = run_cluster(out, 3, "--strategy=async",
-                                           f"--strategy_arg=max_staleness={bound}", "--epochs=4",
-                                           "--slow_rank=2", "--slow_delay=0.1")
+        cluster, result = run_cluster(out, 3, "--strategy=async", "--model=embedding",
+                                      f"--strategy_arg=max_staleness={bound}", "--epochs=4",
+                                      "--slow_rank=2", "--slow_delay=0.1")
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
+        self.assertEqual(load_result(out, "worker0.json")["tables_pushed"], [1])
         progress = load_result(out, "worker0.json")["progress"]
         self.assertLessEqual(progress["staleness_max"], bound)
         self.assertEqual(sum(progress["staleness_histogram"][bound + 1:]), 0)
@@ -117,18 +119,24 @@ class AsyncTrainingTest(tf.test.TestCase):
                          sum(load_result(out, f"worker{r}.json")["pushes"] for r in range(3)))
 
     def test_wait_mode_keeps_workers_within_the_bound_of_the_slowest(self):
+        # SSP with delay compensation, on a model whose embedding table lives on the ps:
+        # each push also carries the rows its step read, and the ps compensates each row
+        # (the rule itself: tests/ps/updater_test.py).
         out = self.get_temp_dir()
         bound = 1
-        cluster, result = run_cluster(out, 3, "--strategy=async",
-                                           f"--strategy_arg=max_staleness={bound}",
-                                           "--strategy_arg=on_stale='wait'", "--epochs=3",
-                                           "--slow_rank=2", "--slow_delay=0.1")
+        cluster, result = run_cluster(out, 3, "--strategy=async", "--model=embedding",
+                                      f"--strategy_arg=max_staleness={bound}",
+                                      "--strategy_arg=on_stale='wait'", "--epochs=3",
+                                      "--strategy_arg=delay_compensation=0.5",
+                                      "--slow_rank=2", "--slow_delay=0.1")
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         chief = load_result(out, "worker0.json")
         self.assertLessEqual(chief["max_clock_gap"], bound)
         self.assertEqual(chief["dropped"], 0)
         pushes = sum(load_result(out, f"worker{r}.json")["pushes"] for r in range(3))
         self.assertEqual(chief["aggregated"], pushes)
+        self.assertEqual(chief["tables_pushed"], [1])
+        self.assertLess(chief["history"]["loss"][-1], chief["history"]["loss"][0])
 
     def test_the_chief_waits_for_a_slower_worker_and_a_pause_is_not_death(self):
         # The chief trains its 3 epochs in about a second and joins. Worker 1 sleeps 0.3 s

@@ -141,8 +141,9 @@ class ShardLayout:
         self.sparse = [(int(offset), _size(e.shape[1:]))
                        for offset, e in zip(offsets, self.main) if e.sparse]
         self.dense_sizes = [n for n, e in zip(self.main_sizes, self.main) if not e.sparse]
-        # `(rows, flat row values)` pairs a push carries: sparse gradients', then tables'.
-        self.num_row_pairs = len(self.sparse) + len(self.tables)
+        # `(rows, flat row values)` pairs a push carries: sparse gradients', then tables'
+        # (each table's gradient rows, then, with `read_rows`, the rows its worker read).
+        self.num_row_pairs = len(self.sparse) + sum(1 + e.read_rows for e in self.tables)
 
     def densify(self, dense, sparse):
         """The main vector of a push: `dense` (the other gradients, flat) with each sparse

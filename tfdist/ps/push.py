@@ -267,6 +267,8 @@ class GradientPush(Push):
                 [t._tfdist_path for t in tables.tables])
         for table in tables.tables:
             fields[id(table)] = self._update_options(table)
+            if self.engine._policy.delay_compensation is not None:
+                fields[id(table)]["read_rows"] = True  # DC-ASGD per row
             if "constraint" in fields[id(table)]:
                 raise ValueError(
                     f"the embedding table {table._tfdist_path} has a constraint: the ps tasks "

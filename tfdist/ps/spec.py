@@ -20,7 +20,8 @@ ROLES = (GRADIENT, VALUE, AVERAGE, OPTIMIZER, TABLE)
 PUSHED_ROLES = (GRADIENT, VALUE, AVERAGE)
 
 # The fields of an entry that must agree between every worker of a run.
-_COMPARED_FIELDS = ("shape", "dtype", "role", "rows", "sparse", "outer", "table")
+_COMPARED_FIELDS = ("shape", "dtype", "role", "rows", "sparse", "outer", "table",
+                    "read_rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,9 @@ class VariableEntry:
       constraint: the serialized Keras constraint the ps applies after each update.
       table: its master is a part of an embedding table kept on the ps tasks only (the
         table, or an optimizer slot of it), opened by `tfdist.ps.tables.part_name`.
+      read_rows: a table whose push also carries the rows the worker read in its step (their
+        ids and values): delay compensation per row (DC-ASGD) compares them with the rows
+        the ps holds when it applies the push.
     """
 
     path: str
@@ -51,6 +55,7 @@ class VariableEntry:
     weight_decay: bool = True
     constraint: Optional[dict] = None
     table: bool = False
+    read_rows: bool = False
 
     def __post_init__(self):
         if self.role not in ROLES:
@@ -82,6 +87,8 @@ class VariableEntry:
             entry["outer"] = True
         if self.table:
             entry["table"] = True
+        if self.read_rows:
+            entry["read_rows"] = True
         return entry
 
     @classmethod
@@ -90,7 +97,8 @@ class VariableEntry:
                    role=entry["role"], rows=entry.get("rows"),
                    sparse=bool(entry.get("sparse")), outer=bool(entry.get("outer")),
                    weight_decay=entry.get("weight_decay", True) is not False,
-                   constraint=entry.get("constraint"), table=bool(entry.get("table")))
+                   constraint=entry.get("constraint"), table=bool(entry.get("table")),
+                   read_rows=bool(entry.get("read_rows")))
 
 
 def entry_of(entry):

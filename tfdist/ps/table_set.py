@@ -15,6 +15,7 @@ import tensorflow as tf
 from tfdist import _tf_compat
 from tfdist.ps import placement
 from tfdist.ps import protocol
+from tfdist.ps import wire
 from tfdist.ps.client import RunError
 from tfdist.ps.spec import VariableEntry
 from tfdist.ps.tables import TableVariable
@@ -192,6 +193,24 @@ class TableSet:
                                                        "rows": rows}))
                 if table._tfdist_role == protocol.TABLE:
                     self.parts[shard].append(part)
+
+    def take_lookups(self):
+        """`{id(table): the rows its lookups read}` of the step being traced, for the tables
+        that keep them (`TableVariable.record_lookups`); once per push."""
+        return {id(table): table.take_lookups() for table in self.tables
+                if table._tfdist_record_lookups}
+
+    def pushed_rows(self, shard, layout, gradient_of, lookups):
+        """What a push to ps task `shard` (laid out as `layout`) carries of its tables: per
+        part, `(rows, flat row values)` of its gradient (`gradient_of(part)`), then, where
+        the entry has `read_rows`, the same of the rows the step read (`lookups`, from
+        `take_lookups`)."""
+        out = []
+        for part, entry in zip(self.parts[shard], layout.tables):
+            out += wire.sparse_rows(gradient_of(part), entry)
+            if entry.read_rows:
+                out += wire.sparse_rows(part.take(lookups[id(part.variable)]), entry)
+        return out
 
     def places(self):
         """`(table, ps index, rows)` of every part."""

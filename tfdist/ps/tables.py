@@ -20,6 +20,7 @@ the table's Keras path and rows), and:
 """
 
 import logging
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -89,6 +90,9 @@ class TableVariable(_tf_compat.BaseResourceVariable):
         variable._tfdist_parts = tuple(opened)
         variable._tfdist_initial_value = initial_value
         variable._tfdist_step_reads = []
+        variable._tfdist_record_lookups = False
+        # {graph: [(ids, rows)]}: the lookups of each step's trace (`record_lookups`).
+        variable._tfdist_lookups = weakref.WeakKeyDictionary()
         variable._tfdist_pending = None   # the chief's value from before the run
         variable._tfdist_joined = False
         return variable
@@ -144,7 +148,28 @@ class TableVariable(_tf_compat.BaseResourceVariable):
 
             return result, gradient
 
-        return lookup(self.handle)
+        result = lookup(self.handle)
+        if self._tfdist_record_lookups and variables_lib.in_replica_step():
+            graph = tf.compat.v1.get_default_graph()
+            self._tfdist_lookups.setdefault(graph, []).append(
+                (tf.reshape(indices, [-1]), tf.reshape(result, [-1, *shape[1:]])))
+        return result
+
+    def record_lookups(self):
+        """From now on each lookup in a replica step is kept for `take_lookups` (the rows a
+        step read: delay compensation per row)."""
+        self._tfdist_record_lookups = True
+
+    def take_lookups(self):
+        """The rows the lookups traced so far in the current graph (a step's trace) read, as
+        `tf.IndexedSlices(rows, ids)` (a row read twice is there twice); then forgets
+        them."""
+        lookups = self._tfdist_lookups.pop(tf.compat.v1.get_default_graph(), [])
+        if not lookups:
+            return tf.IndexedSlices(tf.zeros([0, *self.shape[1:]], self.dtype),
+                                    tf.zeros([0], tf.int64))
+        return tf.IndexedSlices(tf.concat([rows for _, rows in lookups], axis=0),
+                                tf.concat([tf.cast(ids, tf.int64) for ids, _ in lookups], 0))
 
     # Whole reads and writes ----------------------------------------------------------------
 

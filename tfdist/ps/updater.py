@@ -11,6 +11,8 @@ average), and replies to the workers whose pushes it used, update after update, 
 control entry (a worker joins, leaves, dies; the run stops) comes out of the push queue.
 """
 
+import math
+
 import keras
 import tensorflow as tf
 
@@ -258,16 +260,52 @@ class ShardUpdateGraph:
         return self.progress[protocol.STAT_STEP]
 
     def _decode(self, payload, tag, rank):
-        """`(main vector, [(rows, flat row values)] of each table)` of a push's payload."""
+        """`(main vector, [(rows, flat row values)] of each table)` of a push's payload (a
+        table's rows delay-compensated where the push carries the rows its worker read)."""
         if self.compressor is None:
             pairs = list(zip(payload[1::2], payload[2::2]))
             sparse = len(self.layout.sparse)
-            return self.layout.densify(payload[0], pairs[:sparse]), pairs[sparse:]
-        coded = len(wire.compressed_push_dtypes(self.layout, self.compressor))
-        tables = list(zip(payload[coded::2], payload[coded + 1::2]))
-        return wire.decode_push(self.layout, self.compressor, payload[:coded],
-                                wire.push_key(tag, rank, self.spec.shard,
-                                              self.num_workers)), tables
+            main, pairs = self.layout.densify(payload[0], pairs[:sparse]), pairs[sparse:]
+        else:
+            coded = len(wire.compressed_push_dtypes(self.layout, self.compressor))
+            pairs = list(zip(payload[coded::2], payload[coded + 1::2]))
+            main = wire.decode_push(self.layout, self.compressor, payload[:coded],
+                                    wire.push_key(tag, rank, self.spec.shard,
+                                                  self.num_workers))
+        tables, pairs = [], iter(pairs)
+        for variable, entry in zip(self.table_variables, self.layout.tables):
+            gradient = next(pairs)
+            if entry.read_rows:
+                gradient = self._compensated_rows(variable, entry, gradient, next(pairs))
+            tables.append(gradient)
+        return main, tables
+
+    def _compensated_rows(self, variable, entry, gradient, read):
+        """DC-ASGD per row: `(rows, flat values)` of a table's pushed gradient, its repeated
+        rows summed, each compensated with the row's value now on this ps and the value its
+        worker read in the step (`read`, the lookups' `(rows, flat values)`; a row read
+        twice was read with one value unless another push came between the reads: the
+        first is taken)."""
+        width = math.prod(entry.shape[1:])
+        rows, index = tf.unique(gradient[0])
+        summed = tf.math.unsorted_segment_sum(tf.reshape(gradient[1], [-1, width]), index,
+                                              tf.size(rows))
+        # A row id -1 that no gradient has keeps the search below from an empty list.
+        read_ids = tf.concat([[-1], read[0]], axis=0)
+        read_values = tf.concat([tf.zeros([1, width]), tf.reshape(read[1], [-1, width])], 0)
+        read_rows, read_index = tf.unique(read_ids)
+        first = tf.math.unsorted_segment_min(tf.range(tf.size(read_ids)), read_index,
+                                             tf.size(read_rows))
+        order = tf.argsort(read_rows)
+        sorted_rows = tf.gather(read_rows, order)
+        at = tf.minimum(tf.searchsorted(sorted_rows, rows), tf.size(sorted_rows) - 1)
+        found = tf.equal(tf.gather(sorted_rows, at), rows)
+        now = tf.reshape(tf.cast(tf.gather(variable.value, rows), tf.float32), [-1, width])
+        was = tf.gather(read_values, tf.gather(first, tf.gather(order, at)))
+        # (a row the step did not read, which a lookup's gradient never has: uncompensated)
+        was = tf.where(found[:, None], was, now)
+        compensated = delay_compensated(summed, now, was, self.policy.delay_compensation)
+        return rows, tf.reshape(compensated, [-1])
 
     def _send(self, rank, step, values, message=""):
         """Enqueues a reply to worker `rank` with `values` at global step `step`; with

@@ -126,6 +126,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         table = (self._tables.make(kwargs, lambda: self._new_path(kwargs))
                  if self._push.keeps_tables else None)
         if table is not None:
+            if self._policy.delay_compensation is not None:
+                table.record_lookups()  # a push carries the rows its step read (per row DC)
             return table
         with tf.init_scope():
             initial_value = kwargs.get("initial_value")
@@ -366,7 +368,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         # One read of every shard's tag before any push: a read per shard after the previous
         # shard's reply was written would make each round trip wait for the one before.
         tags = tf.unstack(self._tags.read_value())
-        replies = []
+        replies, lookups = [], self._tables.take_lookups()
         for shard, client in enumerate(self._clients):
             layout = self._layouts[shard]
             parts = self._shards[shard]
@@ -385,9 +387,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                                                               self._push.optimizer)
                 sent.append(payload)
             # The rows of each table's gradient on this ps task (never compressed).
-            payload = (*payload, *[c for part, entry in zip(self._tables.parts[shard],
-                                                            layout.tables)
-                                   for c in wire.sparse_rows(main_tensor(part), entry)])
+            payload = (*payload, *self._tables.pushed_rows(shard, layout, main_tensor, lookups))
             # Shards do not wait for each other: their round trips overlap.
             with tf.control_dependencies(state_updates):
                 replies.append(client.push_and_receive(tag, payload, values))

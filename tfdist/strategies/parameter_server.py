@@ -206,12 +206,12 @@ class AsyncStrategy(ParameterServerStrategyBase):
         the slowest live worker waits for it.
       delay_compensation: None, or lambda of delay-compensated ASGD (Zheng et al. 2017):
         g + lambda * g * g * (w_now - w_read), where w_read are the weights the worker was
-        sent with its last reply (kept per worker on each ps task).
+        sent with its last reply (kept per worker on each ps task); for a table's rows
+        (`embedding_tables`), the rows its step's lookups read, which the push carries.
       on_stale: "drop" or "wait", see `max_staleness`.
       cluster, init_timeout, connect_timeout, inter_op_threads, compression,
         variable_partitioner, embedding_tables, embedding_updates: as for
-        `SoftSyncStrategy`. Delay compensation applies to the variables the workers mirror;
-        a table's rows (`embedding_tables`) are updated uncompensated.
+        `SoftSyncStrategy`.
     """
 
     def __init__(self, staleness="none", max_staleness=None, delay_compensation=None,
