@@ -14,7 +14,9 @@ and 1,000 rows, 16 wide), a dense tower (concat, Dense 64, Dense 1 sigmoid), Ada
   before, every worker mirrors every table: the only behaviour there is);
 * tf_keras 2.21 `fit` under TF's `ParameterServerStrategy`, same workers and ps, in the
   peer's own environment (`--peer_python`, see `tf_keras_peer.py`; `embedding_peer.py`);
-* one process, Keras 3 `fit` with no strategy.
+* one process, Keras 3 `fit` with no strategy; and, for accuracy only, one process at hard
+  sync's global batch (`workers` x `--batch_size`: after the same examples, hard sync has
+  taken `workers` times fewer updates than one process at `--batch_size`).
 
 Every run first trains `--quality_examples` examples in all and evaluates (loss, accuracy on
 20,000 held-out examples: the same for every cell of a V), then measures over `--window` s
@@ -61,9 +63,12 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["100000", "1000000", "10000000"], "V: rows of the large table.")
 flags.DEFINE_list("workers", ["2", "4"], "Worker counts of the distributed cells.")
 flags.DEFINE_list("ps", ["1", "2"], "Ps task counts of the distributed cells.")
-flags.DEFINE_list("systems", ["async", "hard_sync", "peer", "one_process"],
+flags.DEFINE_list("systems", ["async", "hard_sync", "peer", "one_process",
+                               "one_process_global"],
                   "Which systems run: async, hard_sync, peer (needs --peer_python), "
-                  "one_process.")
+                  "one_process, one_process_global (accuracy only, first repeat only: one "
+                  "process at hard sync's global batch, `workers` x --batch_size, for each "
+                  "of --workers).")
 flags.DEFINE_integer("repeats", 3, "Runs of each cell, interleaved.", lower_bound=1)
 flags.DEFINE_float("warmup", 5.0, "Seconds of training before each window.", lower_bound=0)
 flags.DEFINE_float("window", 20.0, "Seconds of each measurement window.", lower_bound=1)
@@ -89,7 +94,8 @@ flags.DEFINE_string("out", os.path.join("benchmarks", "results", "embedding"),
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SYSTEMS = {"async": "tfdist async", "hard_sync": "tfdist hard sync",
-           "peer": "tf_keras ParameterServerStrategy", "one_process": "one process (Keras 3)"}
+           "peer": "tf_keras ParameterServerStrategy", "one_process": "one process (Keras 3)",
+           "one_process_global": "one process at the global batch (Keras 3)"}
 TRAIN_EXAMPLES = 262144
 POLL_SECONDS = 0.5
 
@@ -163,8 +169,11 @@ def run_tfdist(system, rows, workers, num_ps):
     with tempfile.TemporaryDirectory() as out_dir:
         command = [sys.executable, os.path.join(HERE, "embedding_worker.py"),
                    f"--out_dir={out_dir}", *_common_flags(rows)]
-        if system == "one_process":
+        if system in ("one_process", "one_process_global"):
             command.append("--one_process")
+            if system == "one_process_global":
+                # Hard sync's update: the mean over `workers` batches; accuracy only.
+                command += [f"--batch_size={FLAGS.batch_size * workers}", "--quality_only"]
             process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.PIPE, text=True)
             with PeakMemory(lambda: {"worker:0": process.pid}, process.kill) as memory:
@@ -298,6 +307,9 @@ def _cells():
         if system == "one_process":
             cells.append((system, 1, 0))
             continue
+        if system == "one_process_global":
+            cells += [(system, int(m), 0) for m in FLAGS.workers]
+            continue
         cells += [(system, int(m), int(s)) for m in FLAGS.workers for s in FLAGS.ps]
     return cells
 
@@ -331,6 +343,8 @@ def main(argv):
     for repeat in range(FLAGS.repeats):
         for rows in rows_list:
             for system, workers, num_ps in cells:
+                if system == "one_process_global" and repeat:
+                    continue  # seeded, one process: its accuracy is the same every run
                 before, start = load_note()["load_average_1_5_15"], time.monotonic()
                 if system == "peer":
                     figures = run_peer(rows, workers, num_ps)

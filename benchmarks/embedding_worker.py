@@ -46,6 +46,8 @@ flags.DEFINE_integer("quality_examples", 51200, "Examples (all workers) trained 
 flags.DEFINE_integer("train_examples", 262144, "Examples generated for training (the rate "
                      "phase cycles over them).", lower_bound=1)
 flags.DEFINE_bool("one_process", False, "Train in this process with no strategy.")
+flags.DEFINE_bool("quality_only", False, "With --one_process: stop after the quality "
+                  "phase.")
 flags.DEFINE_enum("embedding_tables", "auto", ["auto", "none"],
                   "Strategy argument `embedding_tables` (when the strategy takes it): auto "
                   "keeps the tables on the ps; none mirrors them on every worker.")
@@ -96,6 +98,8 @@ def _write(name, figures):
 
 def main(argv):
     del argv
+    if FLAGS.quality_only and not FLAGS.one_process:
+        raise app.UsageError("--quality_only is for --one_process")
     x, y = job.generate(FLAGS.rows, FLAGS.train_examples, seed=0)
     strategy, embedding_tables = _strategy()
     num_workers = getattr(strategy, "num_workers", 1)
@@ -124,6 +128,8 @@ def main(argv):
                                 "placement": strategy.placement() if strategy else None})
     else:
         _meet(["quality.json"], f"worker {rank}'s rate phase")
+    if FLAGS.quality_only:
+        return
     pace = ps_worker._Pace(0.0, os.path.join(FLAGS.out_dir, "stop"),
                            FLAGS.steps_per_execution)
     if chief:

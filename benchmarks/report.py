@@ -441,9 +441,11 @@ def embedding_section(result):
              "private loopback over the window per worker step, both ways, headers included. "
              "Memory: the largest peak resident set (VmHWM) of a worker, of a ps task. Accuracy"
              f" and loss: on 20,000 held-out examples after {settings['quality_examples']:,} "
-             "training examples, points against one process at the same V (hard sync takes "
-             "one update per `workers` batches: after the same examples, that many times fewer"
-             " updates)." + _load_text(result), ""]
+             "training examples, points against one process at the same V; hard sync's "
+             "against one process at its global batch (`workers` x batch: hard sync takes one "
+             "update per `workers` batches, so after the same examples that many times fewer "
+             "updates), where that was measured (accuracy only, one seeded run)."
+             + _load_text(result), ""]
     rows = [[f"{int(v):,}", f"{e['parameters']:,}",
              f"{sum(e['unique_rows_per_batch'].values()):,.0f}",
              f"{e['rows_only_bytes_per_worker_step']:,.0f}",
@@ -456,6 +458,8 @@ def embedding_section(result):
                       "whole model (bytes)"], rows), ""]
     series = _embedding_series(result)
     one = {c["rows"]: c for c in result["cells"] if c["system"] == "one_process"}
+    one_global = {(c["workers"], c["rows"]): c for c in result["cells"]
+                  if c["system"] == "one_process_global"}
     peers = {(c["workers"], c["ps"], c["rows"]): c for c in result["cells"]
              if c["system"] == "peer"}
     rows = []
@@ -466,9 +470,13 @@ def embedding_section(result):
             peer = peers.get((workers, num_ps, cell["rows"]), {}).get("examples_per_second")
             errors = sum(1 for run in cell["runs"] if run.get("error"))
             accuracy = cell.get("accuracy")
-            base = one.get(cell["rows"], {}).get("accuracy")
+            reference = one.get(cell["rows"], {})
+            if cell["system"] == "hard_sync":
+                reference = one_global.get((workers, cell["rows"]), reference)
+            base = reference.get("accuracy")
             points = (f" ({100 * (accuracy['median'] - base['median']):+.1f})"
-                      if accuracy and base and cell["system"] != "one_process" else "")
+                      if accuracy and base and not cell["system"].startswith("one_process")
+                      else "")
             rows.append([label, workers, num_ps or "", f"{cell['rows']:,}",
                          _spread(cell.get("updates_per_second")), _spread(rate, digits=0),
                          f"{rate['median'] / peer['median']:.2f}x"
@@ -497,6 +505,8 @@ def plot_embedding(result, path):
 
     fig, (rate_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4))
     for (label, workers, num_ps), cells in _embedding_series(result).items():
+        if all(c["system"] == "one_process_global" for c in cells):
+            continue  # accuracy only
         name = label if label.startswith("one process") else f"{label}, {workers} w, {num_ps} ps"
         for ax, key, scale in ((rate_ax, "examples_per_second", 1.0),
                                (memory_ax, "worker_peak_bytes", 1 / 2**20)):

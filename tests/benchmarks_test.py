@@ -171,8 +171,8 @@ def _embedding_cell(system, label, workers, ps, rows, examples, memory, accuracy
 
 
 def _embedding_fixture():
-    """A small `embedding.json`: two V, tfdist async and the peer at 2 workers and 1 ps,
-    one process; one failed run."""
+    """A small `embedding.json`: two V, tfdist async, hard sync and the peer at 2 workers and
+    1 ps, one process, one process at the global batch; one failed run."""
     cells = []
     for rows, scale in ((100000, 1.0), (1000000, 0.5)):
         cells += [
@@ -181,7 +181,10 @@ def _embedding_fixture():
             _embedding_cell("peer", "tf_keras ParameterServerStrategy", 2, 1, rows, 12800,
                             650, 0.78, 3),
             _embedding_cell("one_process", "one process (Keras 3)", 1, 0, rows, 6400, 900,
-                            0.81, 3)]
+                            0.81, 3),
+            _embedding_cell("hard_sync", "tfdist hard sync", 2, 1, rows, 25600, 700, 0.75, 3),
+            _embedding_cell("one_process_global", "one process at the global batch (Keras 3)",
+                            2, 0, rows, 6400, 900, 0.76)]
     return json.loads(json.dumps({
         "stamp": _stamp("0123456789abcdef" * 2 + "01234567", dirty=True),
         "settings": {"job": "Generated job.", "batch_size": 256, "steps_per_execution": 10,
@@ -215,6 +218,9 @@ class EmbeddingReportTest(tf.test.TestCase):
         self.assertEqual(cells[13], "1 of 3")
         self.assertIn("Load average (1 / 5 / 15 min) 1 / 1 / 1 at the start", text)
         self.assertIn("| 1,000,000 | 17,000,000 | 844 | 200,000 | 136,000,000 |", text)
+        # Hard sync's accuracy against one process at its global batch (2 x 256).
+        hard = [line for line in text.splitlines() if line.startswith("| tfdist hard sync")]
+        self.assertEqual(hard[0].split("|")[12].strip(), "0.750 (-1.0)")
         peer = next(line for line in text.splitlines() if line.startswith("| tf_keras"))
         self.assertNotIn("x |", peer.split("|")[7])  # no ratio of the peer to itself
 

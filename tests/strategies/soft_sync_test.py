@@ -269,8 +269,10 @@ class FaultTest(tf.test.TestCase, parameterized.TestCase):
         # reply queue on the ps, which lives on. The restarted chief joins the same run at the
         # current weights, skips that reply, and each of its 4 steps takes its own: the global
         # step of its last reply is the ps's (13 updates, see `ps_program.restart_scenario`).
+        # The model's embedding table lives on the ps: the restarted chief joins the run in
+        # progress and takes its table as the run left it (no new initial value).
         out = self.get_temp_dir()
-        with make_cluster(out, 2, "--scenario=restart", "--strategy=async",
+        with make_cluster(out, 2, "--scenario=restart", "--strategy=async", "--model=embedding",
                           "--strategy_arg=max_staleness=4", "--strategy_arg=on_stale='wait'",
                           stop_on_failure=False) as cluster:
             wait_for_line(cluster, "PAUSED")
@@ -287,6 +289,7 @@ class FaultTest(tf.test.TestCase, parameterized.TestCase):
                          {"history_step": 13, "progress_step": 13, "skipped": [1]})
         chief, other = load_result(out, "worker0.json"), load_result(out, "worker1.json")
         self.assertEqual((chief["updates"], chief["aggregated"]), (13, 13))
+        self.assertEqual(chief["tables_pushed"], [1])
         for a, b in zip(chief["weights"], other["local_weights"]):
             self.assertAllEqual(a, b)
 
