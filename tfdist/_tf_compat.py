@@ -242,7 +242,7 @@ def keras_variable_paths(optimizer, variables):
     know keeps its TF name.
     """
     paths = {}
-    for keras_variable in getattr(optimizer, "_trainable_variables", None) or ():
+    for keras_variable in keras_optimizer_trained_variables(optimizer):
         if isinstance(getattr(keras_variable, "path", None), str):
             paths[id(getattr(keras_variable, "value", None))] = keras_variable.path
     return [paths.get(id(v), v.name.split(":")[0]) for v in variables]
@@ -308,3 +308,52 @@ from tensorflow.python.distribute.mirrored_strategy import MirroredExtended  # n
 from tensorflow.python.distribute.values import Mirrored  # noqa: F401,E402
 from tensorflow.python.distribute.values import PerReplica  # noqa: F401,E402
 
+# Keras optimizers and variables: the private state a strategy reads -------------------------
+# Keras 3 exposes no public name for an optimizer's trained variables (in order), a Keras
+# variable's TF storage as it is (`.value` may autocast it), its shape before its storage
+# exists, or an optimizer's own weight-decay rules; the ps engine needs each of them.
+
+
+def keras_optimizer_trained_variables(optimizer):
+    """The Keras variables `optimizer` was built on, in its order (`[]` before it is built)."""
+    return list(getattr(optimizer, "_trainable_variables", None) or ())
+
+
+def keras_variable_storage(variable):
+    """The TF variable behind Keras variable `variable` as it is (no autocast), or None."""
+    return getattr(variable, "_value", None)
+
+
+def keras_optimizer_step_storage(optimizer):
+    """The TF variable behind `optimizer`'s step counter (`iterations`), or None."""
+    return keras_variable_storage(getattr(optimizer, "_iterations", None))
+
+
+def keras_variable_declared_shape(variable):
+    """The shape Keras variable `variable` was declared with, known before its storage is
+    made (None for one made from a value, which learns its shape from it)."""
+    return getattr(variable, "_shape", None)
+
+
+def keras_optimizer_decays(optimizer, variable):
+    """Whether `optimizer`'s weight decay applies to Keras variable `variable`
+    (`exclude_from_weight_decay`)."""
+    return optimizer._use_weight_decay(variable)
+
+
+def keras_optimizer_knows(optimizer, variable):
+    """Whether `optimizer` was built on Keras variable `variable`."""
+    return optimizer._get_variable_index(variable) is not None
+
+
+def keras_optimizer_apply_weight_decay(optimizer, variables):
+    """`optimizer`'s decoupled weight decay, applied to `variables` as its `apply` does."""
+    optimizer._apply_weight_decay(variables)
+
+
+def start_eager_context():
+    """Starts this process's eager context now (with it, the server of a cluster it was
+    connected to), which TensorFlow otherwise starts at the first op."""
+    from tensorflow.python.eager import context
+
+    context.context().ensure_initialized()

@@ -27,6 +27,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from tfdist import _tf_compat
 from tfdist._saved_state import SavedState
 
 log = logging.getLogger("tfdist")
@@ -135,7 +136,7 @@ class CompressionState(SavedState):
 
     def _positions(self):
         optimizer = None if self._optimizer is None else self._optimizer()
-        variables = getattr(optimizer, "_trainable_variables", None) or ()
+        variables = _tf_compat.keras_optimizer_trained_variables(optimizer)
         paths = [getattr(v, "path", None) or v.name.split(":")[0] for v in variables]
         return {path: i for i, path in enumerate(unique_names(paths))}
 

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from tfdist import _tf_compat
 from tfdist._process import die_with
 from tfdist._worker import compute_device
 from tfdist.cluster import is_listening
@@ -84,8 +85,6 @@ class GossipNode:
         self._watcher = None
 
     def _start_server(self, threads):
-        from tensorflow.python.eager import context
-
         config = self.config
         try:
             tf.config.threading.set_inter_op_parallelism_threads(threads + 1)
@@ -97,7 +96,7 @@ class GossipNode:
         tf.config.experimental_connect_to_cluster(
             spec, job_name=config.task_type, task_index=config.task_index,
             protocol=config.rpc_layer or "grpc", make_master_device_default=False)
-        context.context().ensure_initialized()
+        _tf_compat.start_eager_context()
 
     # Queues ----------------------------------------------------------------------------
 

@@ -57,7 +57,8 @@ def start_server(config, threads=None):
         raise ValueError(f"`start_server` serves ps tasks. Received task type: "
                          f"{config.task_type!r}")
     import tensorflow as tf
-    from tensorflow.python.eager import context
+
+    from tfdist import _tf_compat
 
     threads = ps_threads(config, threads)
     try:
@@ -72,7 +73,7 @@ def start_server(config, threads=None):
     tf.config.experimental_connect_to_cluster(spec, job_name="ps", task_index=config.task_index,
                                               protocol=protocol)
     # The server starts with the context, which TensorFlow otherwise starts lazily.
-    context.context().ensure_initialized()
+    _tf_compat.start_eager_context()
     return f"{protocol}://{config.task_address}"
 
 

@@ -129,7 +129,7 @@ class GradientPush(Push):
                 f"{strategy_name}: each push is one update on the ps. For a larger "
                 "effective batch use a larger batch per worker, or aggregate more workers per "
                 "update (`replicas_to_aggregate`)")
-        iterations = getattr(getattr(inner, "_iterations", None), "_value", None)
+        iterations = _tf_compat.keras_optimizer_step_storage(inner)
         if iterations is not None and not isinstance(iterations, MirrorVariable):
             raise ValueError(
                 f"the optimizer {type(inner).__name__} was created outside the scope of "
@@ -282,13 +282,14 @@ class GradientPush(Push):
         """What the ps-side optimizer must know of a trained variable: its Keras constraint,
         and whether weight decay skips it (`exclude_from_weight_decay`)."""
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
-        keras_variables = {id(getattr(kv, "_value", None)): kv
-                           for kv in getattr(inner, "_trainable_variables", [])}
+        keras_variables = {id(_tf_compat.keras_variable_storage(kv)): kv
+                           for kv in _tf_compat.keras_optimizer_trained_variables(inner)}
         keras_variable = keras_variables.get(id(variable))
         if keras_variable is None:
             return {}
         options = {}
-        if getattr(inner, "weight_decay", None) and not inner._use_weight_decay(keras_variable):
+        if (getattr(inner, "weight_decay", None)
+                and not _tf_compat.keras_optimizer_decays(inner, keras_variable)):
             options["weight_decay"] = False
         constraint = keras_variable.constraint
         if constraint is not None:
@@ -419,9 +420,10 @@ class ModelPush(Push):
         if self.outer is None:
             return {}
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
-        trained = [v for v in getattr(inner, "_trainable_variables", None) or []
-                   if isinstance(getattr(v, "_value", None), MirrorVariable)
-                   and v._value._tfdist_role == protocol.AVERAGE]
+        storage = _tf_compat.keras_variable_storage
+        trained = [v for v in _tf_compat.keras_optimizer_trained_variables(inner)
+                   if isinstance(storage(v), MirrorVariable)
+                   and storage(v)._tfdist_role == protocol.AVERAGE]
         if not trained:
             raise ValueError(
                 "`outer_optimizer` applies to the variables the model's Keras optimizer "
@@ -430,7 +432,7 @@ class ModelPush(Push):
                 "`with strategy.scope():`")
         with tf.init_scope(), self.engine._container_strategy().scope():
             self.outer.build(trained)
-        return {id(v._value): {"outer": True} for v in trained}
+        return {id(storage(v)): {"outer": True} for v in trained}
 
     def split_optimizer(self):
         # Averaging is elementwise; an outer optimizer's update must be too.

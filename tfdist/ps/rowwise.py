@@ -89,7 +89,7 @@ class RowwiseUpdate:
         self.optimizer = inner
         self._tables = {}
         for table in tables:
-            if inner._get_variable_index(table) is None:
+            if not _tf_compat.keras_optimizer_knows(inner, table):
                 raise ValueError(f"{table.path} is not a variable the optimizer was built on")
             self._tables[id(table)] = _TableRows(inner, table, chunk_rows)
 
@@ -124,7 +124,8 @@ class _TableRows:
                 tf.zeros([self.chunk, *row_shape], table.dtype), trainable=True,
                 name="tfdist_rows")
             self.row_optimizer = optimizer.__class__.from_config(optimizer.get_config())
-            if optimizer.weight_decay is not None and not optimizer._use_weight_decay(table):
+            if (optimizer.weight_decay is not None
+                    and not _tf_compat.keras_optimizer_decays(optimizer, table)):
                 self.row_optimizer.exclude_from_weight_decay(var_list=[self.scratch])
             self.row_optimizer.build([self.scratch])
         # A slot of a variable is named `{its path, "/" as "_"}_{slot}`: the scratch's slots
@@ -161,7 +162,7 @@ class _TableRows:
             if learning_rate_factor is not None:
                 learning_rate = (tf.cast(learning_rate, tf.float32)
                                  * tf.cast(learning_rate_factor, tf.float32))
-            optimizer._apply_weight_decay([self.scratch])
+            _tf_compat.keras_optimizer_apply_weight_decay(optimizer, [self.scratch])
             gradient = tf.pad(tf.cast(values[begin:begin + size], self.table.dtype), pad)
             optimizer.update_step(gradient, self.scratch.value, learning_rate)
             stores = [self.table.value.scatter_update(

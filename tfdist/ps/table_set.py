@@ -108,7 +108,7 @@ class TableSet:
         keras_variable = _tf_compat.keras_variable_being_initialized()
         # (A Keras variable made from a value learns its shape after its storage is made:
         # the optimizer's step counter. A table is made from an initializer.)
-        shape = getattr(keras_variable, "_shape", None)
+        shape = _tf_compat.keras_variable_declared_shape(keras_variable)
         if keras_variable is None or shape is None:
             return None
         shape = [int(n) for n in shape]
