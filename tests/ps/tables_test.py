@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import _tf_compat
+from tfdist.ps import table_set
 from tfdist.ps import tables
 from tfdist.ps.variables import replica_step
 
@@ -214,6 +215,22 @@ class TableVariableTest(tf.test.TestCase):
         with self.assertRaisesRegex(ValueError, "must cover its 30 rows"):
             tables.TableVariable.create("t/embeddings", [ROWS, WIDTH], tf.float32,
                                         _parts(((0, 12), (13, ROWS))))
+
+
+class TableRuleTest(tf.test.TestCase):
+
+    def test_a_pattern_that_matches_no_variable_is_an_error_naming_it(self):
+        rule = table_set.TableRule(["*/user_table/embeddings", "*/item_tabel/*"])
+        self.assertTrue(rule.matches("model/user_table/embeddings", None, [100, 8], "float32",
+                                     True))
+        self.assertFalse(rule.matches("model/item_table/embeddings", None, [100, 8],
+                                      "float32", True))
+        self.assertFalse(rule.matches("model/dense/kernel", None, [8], "float32", True))
+        with self.assertRaisesRegex(ValueError, r"patterns \['\*/item_tabel/\*'\] match no "
+                                                r"variable.*'model/item_table/embeddings'"):
+            rule.check_patterns()
+        table_set.TableRule("auto").check_patterns()
+        table_set.TableRule(None).check_patterns()
 
 
 if __name__ == "__main__":

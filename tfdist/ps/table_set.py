@@ -54,6 +54,8 @@ class TableRule:
                              f"Received: {embedding_updates!r}")
         self.embedding_tables = embedding_tables
         self.updates = embedding_updates
+        self._matched = set()    # the patterns that matched a variable
+        self._candidates = []    # the paths of the variables a pattern could have matched
 
     def __bool__(self):
         return self.embedding_tables is not None
@@ -71,7 +73,25 @@ class TableRule:
             return False
         if self.embedding_tables == AUTO:
             return isinstance(layer, keras.layers.Embedding) and path.endswith("/embeddings")
-        return any(fnmatch.fnmatchcase(path, pattern) for pattern in self.embedding_tables)
+        self._candidates.append(path)
+        matched = {p for p in self.embedding_tables if fnmatch.fnmatchcase(path, p)}
+        self._matched |= matched
+        return bool(matched)
+
+    def check_patterns(self):
+        """Raises a ValueError naming each pattern of `embedding_tables` that matched no
+        variable of the model (a typo would otherwise leave a table on every worker without a
+        word); nothing for "auto" or None."""
+        if self.embedding_tables in (None, AUTO):
+            return
+        unmatched = [p for p in self.embedding_tables if p not in self._matched]
+        if unmatched:
+            shown = self._candidates[:10] + (["..."] if len(self._candidates) > 10 else [])
+            raise ValueError(
+                f"`embedding_tables` patterns {unmatched} match no variable of the model. "
+                "A pattern (`fnmatch`, where `*` also matches `/`) names the Keras paths of "
+                "trainable float variables of rank 2 or more; this model's are: "
+                f"{shown or 'none'}. Received: embedding_tables={self.embedding_tables!r}")
 
 
 class TableSet:

@@ -212,6 +212,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         `sparse_variables` are pushed as the rows their gradient touches (embeddings)."""
         if self._clients is not None:
             return
+        if self._push.keeps_tables:
+            self._tables.rule.check_patterns()
         pushed = {id(v) for v in pushed_variables}
         num_ps = self._connection.num_ps
         for variable in self._mirrors:

@@ -142,7 +142,9 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
       embedding_tables: the variables that live on the ps tasks only, as TF's own
         `ParameterServerStrategy` keeps embeddings: "auto" (the default: the table of every
         `keras.layers.Embedding`), None (every worker mirrors every variable), or a list of
-        Keras path patterns (`fnmatch`). A table's rows are split over the ps tasks; a step
+        Keras path patterns (`fnmatch`; a pattern that matches no trainable float
+        variable of rank 2 or more is an error at the first step, naming it and the
+        model's candidates). A table's rows are split over the ps tasks; a step
         looks up only the rows its batch touches there and pushes their gradients, so its
         cost and the worker's memory follow the rows touched, not the table. Hard sync
         stays exact (a step's lookups follow every update before it). Read whole in a
