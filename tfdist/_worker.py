@@ -1,13 +1,7 @@
 """What the between-graph engines (parameter server, gossip) share about a worker process:
-where it computes, what its strategy tells about its task, its timeouts' check."""
+where it computes, what its strategy tells about its task."""
 
 import tensorflow as tf
-
-
-def check_positive_seconds(name, value):
-    """Refuses a timeout argument that is not a positive number of seconds."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"`{name}` must be a positive number of seconds. Received: {value!r}")
 
 
 def compute_device(task_type, task_index, gpus=None):

@@ -7,6 +7,7 @@ import random
 import socket
 import time
 
+from tfdist._args import check_int
 from tfdist.cluster.config import parse_address
 
 # Ports handed out by bind(0) come from the ephemeral range, where an outgoing connection can
@@ -61,8 +62,7 @@ def pick_free_ports(count, rng=None):
     Raises:
       ValueError: `count` is not a positive integer, or no free port was found.
     """
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError(f"`count` must be a positive integer. Received: {count!r}")
+    check_int("count", count, low=1)
     rng = rng or random.Random()
     low, high = _port_range()
     ports = []

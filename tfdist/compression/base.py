@@ -17,6 +17,9 @@ import math
 
 import tensorflow as tf
 
+from tfdist._args import check_bool
+from tfdist._args import check_int
+
 
 class ErrorFeedback:
     """Error-feedback memory (Seide et al. 2014; Karimireddy et al. 2019).
@@ -80,12 +83,8 @@ class Compressor:
     def __init__(self, error_feedback=None, min_size=0, exclude=()):
         if error_feedback is None:
             error_feedback = self.lossy
-        if not isinstance(error_feedback, bool):
-            raise ValueError(f"`error_feedback` must be True or False. Received: "
-                             f"{error_feedback!r}")
-        if isinstance(min_size, bool) or not isinstance(min_size, int) or min_size < 0:
-            raise ValueError(f"`min_size` must be an integer >= 0 (elements). Received: "
-                             f"{min_size!r}")
+        check_bool("error_feedback", error_feedback)
+        check_int("min_size", min_size, "an integer >= 0 (elements)", low=0)
         if isinstance(exclude, str) or not all(isinstance(e, str) for e in exclude):
             raise ValueError(f"`exclude` must be a list of strings (parts of variable paths). "
                              f"Received: {exclude!r}")
@@ -345,19 +344,6 @@ def _key(key):
         return key  # the same tensor, so that what is derived from it can be reused
     return tf.cast(tf.reshape(key, [2]), tf.int64)
 
-
-def check_fraction(name, value, low_open=True):
-    """Raises unless `0 < value <= 1` (names the argument)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            0 < value <= 1 if low_open else 0 <= value <= 1):
-        raise ValueError(f"`{name}` must be a number in (0, 1]. Received: {value!r}")
-    return float(value)
-
-
-def check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer. Received: {value!r}")
-    return value
 
 
 def num_selected(size, ratio):

@@ -18,8 +18,9 @@ parameter-server push.
 
 import tensorflow as tf
 
+from tfdist._args import check_int
+from tfdist._args import check_number
 from tfdist.compression.base import Compressor
-from tfdist.compression.base import check_positive_int
 from tfdist.compression.base import sum_payload_bytes
 
 
@@ -49,16 +50,11 @@ class PowerSGDCompressor(Compressor):
     def __init__(self, rank=1, min_compression_rate=2.0, seed=0, error_feedback=True,
                  **kwargs):
         super().__init__(error_feedback=error_feedback, **kwargs)
-        self.rank = check_positive_int("rank", rank)
-        if isinstance(min_compression_rate, bool) or not isinstance(
-                min_compression_rate, (int, float)) or min_compression_rate < 1:
-            raise ValueError(f"`min_compression_rate` must be a number >= 1 (a tensor is "
-                             f"compressed only if the factors are that much smaller). "
-                             f"Received: {min_compression_rate!r}")
-        self.min_compression_rate = float(min_compression_rate)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"`seed` must be an integer. Received: {seed!r}")
-        self.seed = seed
+        self.rank = check_int("rank", rank, low=1)
+        self.min_compression_rate = float(check_number(
+            "min_compression_rate", min_compression_rate, "a number >= 1 (a tensor is "
+            "compressed only if the factors are that much smaller)", low=1))
+        self.seed = check_int("seed", seed)
 
     def compressible(self, shape, dtype):
         shape = tf.TensorShape(shape)

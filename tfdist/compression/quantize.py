@@ -20,6 +20,8 @@ import math
 import numpy as np
 import tensorflow as tf
 
+from tfdist._args import check_int
+from tfdist._args import check_number
 from tfdist.compression.base import Compressor
 from tfdist.compression.base import saturating_cast
 
@@ -261,10 +263,8 @@ class TernGradCompressor(Compressor):
     per_tensor = True  # the scale is each tensor's own max
 
     def __init__(self, clip=2.5, error_feedback=False, **kwargs):
-        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float))
-                                 or not clip > 0):
-            raise ValueError(f"`clip` must be None or a positive number of standard "
-                             f"deviations. Received: {clip!r}")
+        check_number("clip", clip, "None or a positive number of standard deviations", low=0,
+                     low_open=True, allow_none=True)
         super().__init__(error_feedback=error_feedback, **kwargs)
         self.clip = None if clip is None else float(clip)
 
@@ -317,13 +317,10 @@ class QSGDCompressor(Compressor):
     per_tensor = True  # the norms are each tensor's own
 
     def __init__(self, levels=127, bucket_size=512, error_feedback=False, **kwargs):
-        if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= 127:
-            raise ValueError(f"`levels` must be an integer between 1 and 127 (int8 codes). "
-                             f"Received: {levels!r}")
-        if bucket_size is not None and (isinstance(bucket_size, bool)
-                                        or not isinstance(bucket_size, int) or bucket_size < 1):
-            raise ValueError(f"`bucket_size` must be None or a positive integer (elements). "
-                             f"Received: {bucket_size!r}")
+        check_int("levels", levels, "an integer between 1 and 127 (int8 codes)", low=1,
+                  high=127)
+        check_int("bucket_size", bucket_size, "None or a positive integer (elements)", low=1,
+                  allow_none=True)
         super().__init__(error_feedback=error_feedback, **kwargs)
         self.levels = levels
         self.bucket_size = bucket_size

@@ -16,8 +16,11 @@ import math
 
 import tensorflow as tf
 
+from tfdist._args import check_bool
+from tfdist._args import check_fraction
+from tfdist._args import check_int
+from tfdist._args import check_number
 from tfdist.compression.base import Compressor
-from tfdist.compression.base import check_fraction
 from tfdist.compression.base import num_selected
 
 
@@ -119,9 +122,7 @@ class TopKCompressor(Compressor):
     def __init__(self, ratio=0.01, error_feedback=True, per_tensor=False, **kwargs):
         super().__init__(error_feedback=error_feedback, **kwargs)
         self.ratio = check_fraction("ratio", ratio)
-        if not isinstance(per_tensor, bool):
-            raise ValueError(f"`per_tensor` must be True or False. Received: {per_tensor!r}")
-        self.per_tensor = per_tensor
+        self.per_tensor = check_bool("per_tensor", per_tensor)
 
     def _select(self, flat, state, key):
         del state, key
@@ -173,9 +174,7 @@ class RandomKCompressor(Compressor):
     def __init__(self, ratio=0.01, seed=0, error_feedback=True, **kwargs):
         super().__init__(error_feedback=error_feedback, **kwargs)
         self.ratio = check_fraction("ratio", ratio)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"`seed` must be an integer. Received: {seed!r}")
-        self.seed = seed
+        self.seed = check_int("seed", seed)
 
     def _indices(self, size, key):
         # Encoding, its error feedback and decoding all need the same indices: drawn once
@@ -267,12 +266,8 @@ class ThresholdCompressor(Compressor):
 
     def __init__(self, threshold=0.01, error_feedback=True, entropy_coding=False, **kwargs):
         super().__init__(error_feedback=error_feedback, **kwargs)
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
-                threshold > 0):
-            raise ValueError(f"`threshold` must be a positive number. Received: {threshold!r}")
-        if not isinstance(entropy_coding, bool):
-            raise ValueError(f"`entropy_coding` must be True or False. Received: "
-                             f"{entropy_coding!r}")
+        check_number("threshold", threshold, "a positive number", low=0, low_open=True)
+        check_bool("entropy_coding", entropy_coding)
         self.threshold = float(threshold)
         self.entropy_coding = entropy_coding
 
@@ -377,17 +372,10 @@ class DGCCompressor(TopKCompressor):
                  initial_ratio=0.25, error_feedback=True, per_tensor=True, **kwargs):
         super().__init__(ratio=ratio, error_feedback=error_feedback, per_tensor=per_tensor,
                          **kwargs)
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not (
-                0 <= momentum < 1):
-            raise ValueError(f"`momentum` must be a float in [0, 1). Received: {momentum!r}")
-        if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(
-                clip_norm, (int, float)) or clip_norm <= 0):
-            raise ValueError(f"`clip_norm` must be None or a positive number. Received: "
-                             f"{clip_norm!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or (
-                warmup_steps < 0):
-            raise ValueError(f"`warmup_steps` must be a non-negative integer. Received: "
-                             f"{warmup_steps!r}")
+        check_number("momentum", momentum, "a float in [0, 1)", low=0, high=1, high_open=True)
+        check_number("clip_norm", clip_norm, "None or a positive number", low=0, low_open=True,
+                     allow_none=True)
+        check_int("warmup_steps", warmup_steps, "a non-negative integer", low=0)
         self.momentum = float(momentum)
         self.clip_norm = None if clip_norm is None else float(clip_norm)
         self.warmup_steps = warmup_steps

@@ -20,8 +20,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import _tf_compat
+from tfdist._args import check_bool
+from tfdist._args import check_int
+from tfdist._args import check_seconds
 from tfdist._worker import BetweenGraphExtendedMixin
-from tfdist._worker import check_positive_seconds
 from tfdist.cluster import as_cluster_config
 from tfdist.cluster.network import CONNECT_TIMEOUT_ENV
 from tfdist.cluster.network import timeout_from_env
@@ -38,12 +40,10 @@ log = logging.getLogger("tfdist")
 
 def check_arguments(graph, peers_per_step, overlap, max_delay, final_average, num_workers):
     """The schedule of a Stochastic Gradient Push run, its arguments checked."""
-    for name, value in (("overlap", overlap), ("final_average", final_average)):
-        if not isinstance(value, bool):
-            raise ValueError(f"`{name}` must be True or False. Received: {value!r}")
-    if isinstance(max_delay, bool) or not isinstance(max_delay, int) or max_delay < 1:
-        raise ValueError(f"`max_delay` must be an integer >= 1 (steps a message may be late "
-                         f"with `overlap=True`). Received: {max_delay!r}")
+    check_bool("overlap", overlap)
+    check_bool("final_average", final_average)
+    check_int("max_delay", max_delay, "an integer >= 1 (steps a message may be late with "
+              "`overlap=True`)", low=1)
     if not overlap and max_delay != 1:
         raise ValueError(f"`max_delay` bounds how late a message may be taken with "
                          f"`overlap=True`; with overlap=False every message is taken at the "
@@ -79,11 +79,8 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
             connect_timeout = timeout_from_env(CONNECT_TIMEOUT_ENV, 60.0)
         for name, value in (("connect_timeout", connect_timeout),
                             ("peer_timeout", peer_timeout)):
-            check_positive_seconds(name, value)
-        if (isinstance(inter_op_threads, bool) or not isinstance(inter_op_threads, int)
-                or inter_op_threads < 1):
-            raise ValueError(f"`inter_op_threads` must be an integer >= 1. Received: "
-                             f"{inter_op_threads!r}")
+            check_seconds(name, value)
+        check_int("inter_op_threads", inter_op_threads, "an integer >= 1", low=1)
         node = GossipNode(config, connect_timeout, peer_timeout, inter_op_threads)
         super().__init__(container_strategy, node.compute_device)
         self._node = self._connection = node  # `_connection`: for WorkerTasksMixin

@@ -17,6 +17,8 @@ import threading
 
 import numpy as np
 
+from tfdist._args import check_int
+
 GRAPHS = ("exponential", "ring")
 
 
@@ -41,8 +43,7 @@ def check_graph(graph, peers_per_step, num_workers):
     if num_workers < 2:
         raise ValueError(f"Stochastic Gradient Push needs at least 2 workers (training tasks); "
                          f"the cluster has num_workers={num_workers}")
-    if isinstance(peers_per_step, bool) or not isinstance(peers_per_step, int):
-        raise ValueError(f"`peers_per_step` must be an integer. Received: {peers_per_step!r}")
+    check_int("peers_per_step", peers_per_step)
     if not 1 <= peers_per_step <= num_workers - 1:
         raise ValueError(f"`peers_per_step` must be between 1 and num_workers-1="
                          f"{num_workers - 1}. Received: {peers_per_step}")

@@ -38,6 +38,8 @@ import tempfile
 import threading
 import warnings
 
+from tfdist._args import check_int
+
 _CLONE_NEWNET = 0x40000000
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP = 0x8913, 0x8914, 0x1
 
@@ -287,10 +289,7 @@ class SwitchedNetwork:
     """
 
     def __init__(self, num_tasks):
-        if isinstance(num_tasks, bool) or not isinstance(num_tasks, int) or not (
-                1 <= num_tasks <= SWITCH_SUBNET.num_addresses - 3):
-            raise ValueError(f"`num_tasks` must be an integer between 1 and "
-                             f"{SWITCH_SUBNET.num_addresses - 3}. Received: {num_tasks!r}")
+        check_int("num_tasks", num_tasks, low=1, high=SWITCH_SUBNET.num_addresses - 3)
         self.switch = None
         self.tasks = []
         try:

@@ -32,10 +32,11 @@ admits traffic to the job's port only from pods that carry the job's labels, one
 random token drawn for each manifest (TensorFlow servers run any op any client sends them).
 """
 
-import math
 import re
 import secrets
 
+from tfdist._args import check_int
+from tfdist._args import check_seconds
 from tfdist.cluster.kubernetes import CONNECT_TIMEOUT
 from tfdist.cluster.kubernetes import WORKERS_GONE_GRACE
 from tfdist.cluster.kubernetes import check_job_name
@@ -72,22 +73,6 @@ def check_quantity(arg, value):
         raise ValueError(f"`{arg}` must be a positive Kubernetes quantity such as '500m', '2', "
                          f"'1.5' (CPUs) or '4Gi', '512Mi' (bytes). Received: {value!r}")
     return text
-
-
-def _check_seconds(arg, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and value > 0):
-        raise ValueError(f"`{arg}` must be a positive number of seconds. Received: {value!r}")
-    return value
-
-
-def _check_count(arg, value, low, allow_none=False):
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"`{arg}` must be an integer >= {low}"
-                         f"{' or None' if allow_none else ''}. Received: {value!r}")
-    return value
 
 
 def _resources(cpu, memory):
@@ -195,16 +180,16 @@ def manifests(name, image, command, num_ps=1, num_workers=2, namespace="default"
         raise ValueError(f"`image` must name a container image. Received: {image!r}")
     if not command or isinstance(command, str):
         raise ValueError(f"`command` must be a non-empty argv list. Received: {command!r}")
-    _check_count("num_ps", num_ps, 0)
-    _check_count("num_workers", num_workers, 1)
-    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
-        raise ValueError(f"`port` must be between 1 and 65535. Received: {port!r}")
+    check_int("num_ps", num_ps, "an integer >= 0", low=0)
+    check_int("num_workers", num_workers, "an integer >= 1", low=1)
+    check_int("port", port, "between 1 and 65535", low=1, high=65535)
     cpu, memory = check_quantity("cpu", cpu), check_quantity("memory", memory)
     ps_cpu, ps_memory = check_quantity("ps_cpu", ps_cpu), check_quantity("ps_memory", ps_memory)
-    _check_seconds("connect_timeout", connect_timeout)
-    _check_seconds("exit_after_workers_gone", exit_after_workers_gone)
-    _check_count("worker_retries", worker_retries, 0)
-    _check_count("max_failed_workers", max_failed_workers, 0, allow_none=True)
+    check_seconds("connect_timeout", connect_timeout)
+    check_seconds("exit_after_workers_gone", exit_after_workers_gone)
+    check_int("worker_retries", worker_retries, "an integer >= 0", low=0)
+    check_int("max_failed_workers", max_failed_workers, "an integer >= 0 or None", low=0,
+              allow_none=True)
     if max_failed_workers is not None and max_failed_workers > num_workers:
         raise ValueError(f"`max_failed_workers` must be at most num_workers={num_workers} "
                          f"(Kubernetes refuses maxFailedIndexes > completions). Received: "
@@ -212,10 +197,8 @@ def manifests(name, image, command, num_ps=1, num_workers=2, namespace="default"
     if max_failed_workers is not None and kind == "tfjob":
         raise ValueError("`max_failed_workers` is a Job field (maxFailedIndexes): the plain "
                          "kind only. Received: kind='tfjob'")
-    if run_as_user is not None and (isinstance(run_as_user, bool) or not isinstance(
-            run_as_user, int) or run_as_user < 1):
-        raise ValueError(f"`run_as_user` must be a user id >= 1 (pods run as non-root), or "
-                         f"None for the image's own non-root user. Received: {run_as_user!r}")
+    check_int("run_as_user", run_as_user, "a user id >= 1 (pods run as non-root), or None for "
+              "the image's own non-root user", low=1, allow_none=True)
     token = secrets.token_hex(16) if token is None else token
     env = {"TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE": "False", "PYTHONUNBUFFERED": "1",
            **(env or {})}

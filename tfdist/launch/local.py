@@ -28,6 +28,8 @@ import time
 from typing import Dict
 from typing import Optional
 
+from tfdist._args import check_int
+from tfdist._args import check_seconds
 from tfdist._process import die_with
 from tfdist.cluster import ClusterConfig
 from tfdist.cluster import TaskUnreachableError
@@ -154,15 +156,10 @@ class LocalCluster:
                  outbound_network="auto", topology=None):
         if not command or isinstance(command, str):
             raise ValueError(f"`command` must be a non-empty argv list. Received: {command!r}")
-        if isinstance(num_ps, bool) or not isinstance(num_ps, int) or num_ps < 0:
-            raise ValueError(f"`num_ps` must be an integer >= 0. Received: {num_ps!r}")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"`num_workers` must be an integer >= 1. Received: {num_workers!r}")
-        if isinstance(max_lines, bool) or not isinstance(max_lines, int) or max_lines < 1:
-            raise ValueError(f"`max_lines` must be an integer >= 1. Received: {max_lines!r}")
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"`timeout` must be a positive number of seconds or None. "
-                             f"Received: {timeout!r}")
+        check_int("num_ps", num_ps, "an integer >= 0", low=0)
+        check_int("num_workers", num_workers, "an integer >= 1", low=1)
+        check_int("max_lines", max_lines, "an integer >= 1", low=1)
+        check_seconds("timeout", timeout, allow_none=True)
         command = list(command)
         if os.path.basename(command[0]) in ("python", "python3"):
             command[0] = sys.executable

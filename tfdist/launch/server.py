@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+from tfdist._args import check_seconds
 from tfdist.cluster import is_listening
 
 # Every blocking op (a worker waiting for its reply, the updater waiting for pushes, the
@@ -110,9 +111,7 @@ class WorkersGone:
         if interval is None and isinstance(grace, (int, float)):
             interval = min(2.0, grace / 2)
         for arg, value in (("grace", grace), ("startup", startup), ("interval", interval)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"`{arg}` must be a positive number of seconds. "
-                                 f"Received: {value!r}")
+            check_seconds(arg, value)
         if not addresses:
             raise ValueError("`addresses` must name at least one training task to watch")
         self.addresses = dict(addresses)

@@ -14,6 +14,9 @@ import importlib
 
 import tensorflow as tf
 
+from tfdist._args import check_int
+from tfdist._args import check_number
+
 HISTOGRAM_BUCKETS = 16  # staleness 0 .. 14, and 15 or more
 
 
@@ -126,15 +129,10 @@ class AsyncPolicy:
         else:
             raise ValueError(f"`staleness` must be one of {sorted(STALENESS_FUNCTIONS)} or a "
                              f"callable. Received: {staleness!r}")
-        if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(
-                max_staleness, int) or max_staleness < 0):
-            raise ValueError(f"`max_staleness` must be None or an integer >= 0. Received: "
-                             f"{max_staleness!r}")
-        if delay_compensation is not None and (
-                isinstance(delay_compensation, bool)
-                or not isinstance(delay_compensation, (int, float)) or delay_compensation < 0):
-            raise ValueError(f"`delay_compensation` (lambda of DC-ASGD) must be None or a "
-                             f"number >= 0. Received: {delay_compensation!r}")
+        check_int("max_staleness", max_staleness, "None or an integer >= 0", low=0,
+                  allow_none=True)
+        check_number("delay_compensation", delay_compensation, "None or a number >= 0 (lambda "
+                     "of DC-ASGD)", low=0, allow_none=True)
         if on_stale not in ("drop", "wait"):
             raise ValueError(f"`on_stale` must be one of ['drop', 'wait']. Received: "
                              f"{on_stale!r}")

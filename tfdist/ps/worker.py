@@ -20,9 +20,9 @@ import time
 import tensorflow as tf
 
 from tfdist import _tf_compat
+from tfdist._args import check_seconds
 from tfdist._process import end_with_last_word
 from tfdist._worker import BetweenGraphExtendedMixin
-from tfdist._worker import check_positive_seconds
 from tfdist.cluster.network import CONNECT_TIMEOUT_ENV
 from tfdist.cluster.network import INIT_TIMEOUT_ENV
 from tfdist.cluster.network import timeout_from_env
@@ -80,7 +80,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             connect_timeout = timeout_from_env(CONNECT_TIMEOUT_ENV, 30.0)
         for name, value in (("init_timeout", init_timeout),
                             ("connect_timeout", connect_timeout)):
-            check_positive_seconds(name, value)
+            check_seconds(name, value)
         config = PSConnection.validate(cluster)
         policy = make_policy(config.num_workers)
         connection = PSConnection(config, connect_timeout=connect_timeout,

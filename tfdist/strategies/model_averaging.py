@@ -1,6 +1,7 @@
 """Periodic parameter averaging (local SGD) on the parameter-server engine (its push is
 `tfdist.ps.push.ModelPush`)."""
 
+from tfdist._args import check_int
 from tfdist.ps.outer_optimizer import outer_optimizer_config
 from tfdist.ps.policies import AveragingPolicy
 from tfdist.ps.push import ModelPush
@@ -66,9 +67,8 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
     def __init__(self, period=1, replicas_to_aggregate=None, optimizer_state="local",
                  cluster=None, init_timeout=None, connect_timeout=None, inter_op_threads=1,
                  compression=None, variable_partitioner="auto", outer_optimizer=None):
-        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
-            raise ValueError(f"`period` must be an integer >= 1 (local steps between averaging "
-                             f"rounds). Received: {period!r}")
+        check_int("period", period, "an integer >= 1 (local steps between averaging rounds)",
+                  low=1)
         if optimizer_state not in ("local", "averaged"):
             raise ValueError(f"`optimizer_state` must be one of ['averaged', 'local']. "
                              f"Received: {optimizer_state!r}")

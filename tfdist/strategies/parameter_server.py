@@ -15,6 +15,7 @@ same engine. The engine is `tfdist.ps` (the worker's side: `tfdist.ps.worker`).
 
 import tensorflow as tf
 
+from tfdist._args import check_int
 from tfdist._worker import WorkerTasksMixin
 from tfdist.ps.policies import AsyncPolicy
 from tfdist.ps.policies import SoftSyncPolicy
@@ -28,10 +29,8 @@ def n_of_m_policy(policy_class, replicas_to_aggregate):
 
     def make_policy(total):
         n = total if replicas_to_aggregate is None else replicas_to_aggregate
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= total:
-            raise ValueError(
-                f"`replicas_to_aggregate` must be an integer between 1 and the number of "
-                f"workers total_replicas={total}. Received: {replicas_to_aggregate!r}")
+        check_int("replicas_to_aggregate", n, f"an integer between 1 and the number of workers "
+                  f"total_replicas={total}", low=1, high=total)
         return policy_class(n, total)
 
     return make_policy
