@@ -3,6 +3,11 @@
 from setuptools import find_packages
 from setuptools import setup
 
+# The user guide's build (mkdocs.yml); tests/docs_test.py runs it, so the tests need it too.
+# Built and tested with MkDocs 1.6 and Material 9, whose notice says MkDocs 2 will not run it.
+DOCS = ["mkdocs>=1.6,<2", "mkdocs-material>=9.5,<10", "mkdocstrings[python]>=1.0",
+        "mkdocstrings-python>=2.0"]
+
 setup(
     name="tfdist",
     version="0.1.0",
@@ -25,7 +30,8 @@ setup(
         "examples": ["scikit-learn>=1.3", "matplotlib>=3.7", "tensorboard>=2.20"],
         "test": ["pytest>=8", "hypothesis>=6", "ruff>=0.6", "scikit-learn>=1.3",
                  "matplotlib>=3.7", "tensorboard>=2.20", "kubernetes-validate>=1.30",
-                 "jsonschema>=4.18"],
+                 "jsonschema>=4.18", *DOCS],
+        "docs": DOCS,
     },
     entry_points={"console_scripts": ["tfdist-launch=tfdist.launch.main:run"]},
 )

@@ -25,6 +25,13 @@ def _sources(folder, pattern="*.py"):
                   if "__pycache__" not in p.parts)
 
 
+def _test_data(test):
+    """Files outside the package a test reads: the docs test builds the user guide."""
+    if test != "tests/docs_test.py":
+        return []
+    return [".ci/run", "README.md", "mkdocs.yml", *_sources("docs", "*.*")]
+
+
 def render():
     library = _sources("tfdist")
     lines = [HEADER, "py_library(\n    name = \"tfdist\",\n    srcs = [\n"]
@@ -45,8 +52,13 @@ def render():
         name = test[len("tests/"):-len(".py")].replace("/", "_")
         size = "large" if "launch" in test or "strategies" in test else "small"
         lines.append(f"\npy_test(\n    name = \"{name}\",\n    size = \"{size}\",\n"
-                     f"    srcs = [\"{test}\"],\n    main = \"{test}\",\n"
-                     f"    deps = [\":test_helpers\"],\n)\n")
+                     f"    srcs = [\"{test}\"],\n    main = \"{test}\",\n")
+        data = _test_data(test)
+        if data:
+            lines.append("    data = [\n")
+            lines += [f'        "{src}",\n' for src in data]
+            lines.append("    ],\n")
+        lines.append("    deps = [\":test_helpers\"],\n)\n")
     return "".join(lines)
 
 
