@@ -358,15 +358,27 @@ def main(argv):
                                          f"accuracy {run['accuracy']}")
                 print(f"[{repeat + 1}/{FLAGS.repeats}] V={rows:,} {SYSTEMS[system]}, "
                       f"{workers} workers, {num_ps} ps: {shown}", flush=True)
+                # After every run: a run stopped later keeps what was measured so far
+                # (`settings["complete"]` says whether every run was made).
+                _write(results, runs, complete=False)
+    _write(results, runs, complete=True)
+    print(f"wrote {FLAGS.out}.json", flush=True)
+
+
+def _write(results, runs, complete):
+    """Writes `--out`.json: the cells measured so far (a cell with no run yet is left
+    out)."""
+    out = dict(results, settings=dict(results["settings"], complete=complete), cells=[])
     for ((system, workers, num_ps), rows), cell_runs in runs.items():
-        results["cells"].append({"system": system, "label": SYSTEMS[system],
+        if cell_runs:
+            out["cells"].append({"system": system, "label": SYSTEMS[system],
                                  "workers": workers, "ps": num_ps, "rows": rows,
                                  **summarize(cell_runs), "runs": cell_runs})
-    results["stamp"] = finish(results["stamp"])
+    out["stamp"] = finish(dict(results["stamp"]))
     os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {FLAGS.out}.json", flush=True)
+    with open(FLAGS.out + ".json.tmp", "w") as f:
+        json.dump(out, f, indent=1)
+    os.replace(FLAGS.out + ".json.tmp", FLAGS.out + ".json")
 
 
 if __name__ == "__main__":

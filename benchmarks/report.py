@@ -445,7 +445,9 @@ def embedding_section(result):
              "against one process at its global batch (`workers` x batch: hard sync takes one "
              "update per `workers` batches, so after the same examples that many times fewer "
              "updates), where that was measured (accuracy only, one seeded run)."
-             + _load_text(result), ""]
+             + ("" if settings.get("complete", True) else
+                " **An incomplete run** (stopped before every run was made): only the cells "
+                "measured are shown.") + _load_text(result), ""]
     rows = [[f"{int(v):,}", f"{e['parameters']:,}",
              f"{sum(e['unique_rows_per_batch'].values()):,.0f}",
              f"{e['rows_only_bytes_per_worker_step']:,.0f}",
