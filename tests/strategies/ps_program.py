@@ -266,7 +266,10 @@ def main(argv):
                             verbose=0, callbacks=callbacks)
     strategy.join()
     evaluation = model.evaluate(x, y, batch_size=64, verbose=0)
-    result = {"evaluation": evaluation,
+    # With a table on the ps, `predict` looks its rows up there too.
+    predictions = (model.predict(x[:24], batch_size=16, verbose=0).tolist()
+                   if FLAGS.model == "embedding" else None)
+    result = {"evaluation": evaluation, "predictions": predictions,
               "history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
               "progress": strategy.progress(),
               "pushes": int(sum(len(range(0, len(xs), BATCH)) for _ in history.epoch))

@@ -127,15 +127,20 @@ class EmbeddingTest(tf.test.TestCase):
         reference = one_process_reference(out, "sgd", 4, model="embedding")
         for got, want in zip(chief["weights"], reference):
             self.assertAllClose(np.array(got), want, rtol=1e-5, atol=1e-6)
-        # The other worker reads the same table from the ps tasks.
+        # The other worker reads the same table from the ps tasks, in evaluate and predict
+        # (a last partial batch of 8 rows included).
         worker = load_result(out, "worker1.json")
         for got, want in zip(worker["local_weights"], chief["weights"]):
             self.assertAllClose(got, want, rtol=0, atol=0)
         self.assertEqual(worker["evaluation"], chief["evaluation"])
+        self.assertAllClose(worker["predictions"], chief["predictions"], rtol=0, atol=0)
         model = ps_program.build_model("sgd", model="embedding")
         model.load_weights(os.path.join(out, "model.weights.h5"))
         for got, want in zip(model.get_weights(), chief["weights"]):
             self.assertAllClose(got, np.array(want), rtol=0, atol=0)
+        x, _ = ps_program.data("embedding")
+        self.assertAllClose(model.predict(x[:24], batch_size=16, verbose=0),
+                            chief["predictions"], rtol=1e-6, atol=1e-6)
 
 
 def one_process_reference(out, optimizer, epochs, model="mlp"):
