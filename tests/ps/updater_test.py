@@ -8,6 +8,9 @@ opens them on its task: no cluster.
 """
 
 import itertools
+import threading
+import time
+import types
 
 import keras
 import numpy as np
@@ -15,6 +18,7 @@ import tensorflow as tf
 
 from tfdist.ps import protocol
 from tfdist.ps import wire
+from tfdist.ps.client import ShardClient
 from tfdist.ps.policies import AsyncPolicy
 from tfdist.ps.policies import AveragingPolicy
 from tfdist.ps.policies import SoftSyncPolicy
@@ -362,6 +366,46 @@ class TableTest(tf.test.TestCase):
         want[5] -= lr * np.array([1.0, 1.0])
         self.assertAllClose(shard.value("e/embeddings"), want, rtol=1e-6)
         self.assertAllClose(shard.value("d/w"), self.w0)
+
+
+class ClientPackTest(tf.test.TestCase):
+    """A worker's push travels packed in one float32 vector (`ShardClient.push_and_receive`),
+    table rows included: sizes known only when the step runs, int64 ids as float32 words."""
+
+    def test_a_push_with_table_rows_arrives_whole_and_its_reply_comes_back(self):
+        table0 = np.arange(12, dtype=np.float32).reshape(6, 2)
+        shard = Shard([entry("d/w", [2]),
+                       entry("e/embeddings", [6, 2], role="table", table=True, rows=[0, 6])],
+                      SoftSyncPolicy(1, 2), {"d/w": [1.0, 2.0], "e/embeddings": table0},
+                      optimizer=sgd(0.5))
+        connection = types.SimpleNamespace(rank=1, ps_devices=[DEVICE],
+                                           ps_names=["/job:ps/task:0"], host_device=DEVICE)
+        client = ShardClient(connection, 0)
+        client.num_workers, client.push_queue = 2, shard.queue
+        client.reply_queue = shard.reply_queues[1]
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.int64),
+                                      tf.TensorSpec([None], tf.float32)])
+        def push(rows, row_values):
+            return client.push_and_receive(0, [tf.constant([1.0, -1.0]), rows, row_values],
+                                           tf.zeros([0]))
+
+        replies = []
+        thread = threading.Thread(target=lambda: replies.append(push(
+            tf.constant([5, 3, 5], tf.int64),
+            tf.constant([1.0, 1.0, 2.0, 2.0, 3.0, 3.0]))))
+        thread.start()
+        while int(tf.raw_ops.QueueSizeV2(handle=shard.queue)) == 0:
+            time.sleep(0.01)
+        shard.serve(required=1)
+        thread.join(timeout=60)
+        token, _, values = replies[0]
+        self.assertEqual(int(token), 1)
+        self.assertAllClose(values, [0.5, 2.5])   # the dense part: w - 0.5 * g
+        want = table0.copy()
+        want[5] -= 0.5 * np.array([4.0, 4.0])    # repeated row 5: summed
+        want[3] -= 0.5 * np.array([2.0, 2.0])
+        self.assertAllClose(shard.value("e/embeddings"), want)
 
 
 if __name__ == "__main__":

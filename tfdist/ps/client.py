@@ -13,6 +13,20 @@ from tfdist.ps.spec import spec_of
 PACK_LIMIT = 16 << 20
 
 
+# How a push's payload tensor travels (`ShardClient.push_and_receive`): packed, as a float32
+# vector of static size, as float32 or int64 values of a size known when the step runs, or
+# beside the pack.
+_STATIC, _FLOATS, _INTS, _BESIDE = "static", "floats", "ints", "beside"
+
+
+def _pack_kind(tensor):
+    if tensor.shape.rank != 1:
+        return _BESIDE
+    if tensor.dtype == tf.float32:
+        return _STATIC if tensor.shape.is_fully_defined() else _FLOATS
+    return _INTS if tensor.dtype == tf.int64 else _BESIDE
+
+
 class RunError(RuntimeError):
     """A ps task refused this worker, or its run failed."""
 
@@ -102,33 +116,46 @@ class ShardClient:
         One tensor travels each way where it can: every tensor that crosses to or from the
         ps within a step is an RPC of its own, and the ps's CPU per round trip doubles
         from 1 to 4 tensors each way (4,810 floats, measured on this machine). The tag, the
-        rank, the values and a float32 payload of static size travel packed in one float32
-        vector, unpacked into the push queue's components on the ps; the reply's token,
-        progress and values come back packed the same way. The int64s travel as the float32
-        words of their bits: concat and split copy them untouched (nothing computes on
-        them). A compressed payload of other dtypes travels beside the pack, and shards of
-        more than `PACK_LIMIT` bytes are not packed (each pack and unpack copies the shard).
+        rank, the values and the payload travel packed in one float32 vector, unpacked into
+        the push queue's components on the ps; the reply's token, progress and values come
+        back packed the same way. The int64s travel as the float32 words of their bits
+        (concat and split copy them untouched: nothing computes on them): the tag and rank,
+        and the rows of a gradient pushed as rows (an embedding's, a table's), which travel
+        with their values, their sizes known only when the step runs, in the head. A
+        payload of other dtypes (a compressor's codes) travels beside the pack, and static
+        float32 payloads of more than `PACK_LIMIT` bytes in all are not packed (each pack
+        and unpack copies the shard).
 
         Raises in-graph, with the ps's message, if the reply is an error.
         """
         payload = list(payload)
+        kinds = [_pack_kind(p) for p in payload]
+        if sum(4 * p.shape.num_elements() for p, kind in zip(payload, kinds)
+               if kind == _STATIC) > PACK_LIMIT:
+            kinds = [_BESIDE if kind == _STATIC else kind for kind in kinds]
+        dynamic = [(p, kind) for p, kind in zip(payload, kinds) if kind in (_FLOATS, _INTS)]
+        sizes = [tf.size(p, out_type=tf.int64) for p, _ in dynamic]
         head = wire.ints_as_floats(tf.stack([tf.cast(tag, tf.int64),
-                                                 tf.constant(self.rank, tf.int64)]))
-        packed = [head, values]
-        if (sum(4 * p.shape.num_elements() for p in payload if p.shape.is_fully_defined())
-                <= PACK_LIMIT and all(p.dtype == tf.float32 and p.shape.rank == 1
-                                      and p.shape[0] is not None for p in payload)):
-            packed += payload
-            payload = None
-        sizes = [int(t.shape[0]) for t in packed]
-        flat = tf.concat(packed, axis=0)
+                                             tf.constant(self.rank, tf.int64), *sizes]))
+        static = [p for p, kind in zip(payload, kinds) if kind == _STATIC]
+        tail = [p if kind == _FLOATS else wire.ints_as_floats(p) for p, kind in dynamic]
+        flat = tf.concat([head, values, *static, *tail], axis=0)
+        splits = [int(t.shape[0]) for t in (head, values, *static)] + [-1]
         with tf.device(self.device):
-            head, values, *rest = tf.split(flat, sizes)
-            tag_and_rank = wire.floats_as_ints(head)
+            head, values, *rest = tf.split(flat, splits)
+            ints = wire.floats_as_ints(head)
+            unpacked = iter(rest[:-1])
+            if dynamic:
+                words = ints[2:] * tf.constant([2 if kind == _INTS else 1
+                                                for _, kind in dynamic], tf.int64)
+                pieces = tf.split(rest[-1], words, num=len(dynamic))
+                unpacked_dynamic = iter(piece if kind == _FLOATS else wire.floats_as_ints(piece)
+                                        for piece, (_, kind) in zip(pieces, dynamic))
+            components = [p if kind == _BESIDE else next(unpacked) if kind == _STATIC
+                          else next(unpacked_dynamic) for p, kind in zip(payload, kinds)]
             push = tf.raw_ops.QueueEnqueueV2(
                 handle=self.push_queue,
-                components=[tag_and_rank[0], tf.cast(tag_and_rank[1], tf.int32),
-                            *(rest if payload is None else payload), values])
+                components=[ints[0], tf.cast(ints[1], tf.int32), *components, values])
             with tf.control_dependencies([push]):
                 token, message, stats, values = self._dequeue()
                 check = tf.debugging.Assert(token >= 0, [message])
