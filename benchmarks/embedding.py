@@ -354,8 +354,9 @@ def main(argv):
                        "load_before": before, "load_after": load_note()["load_average_1_5_15"],
                        "seconds": time.monotonic() - start, "raw": figures}
                 runs[((system, workers, num_ps), rows)].append(run)
-                shown = run["error"] or (f"{run['updates_per_second']:.1f} updates/s, "
-                                         f"accuracy {run['accuracy']}")
+                rate = run["updates_per_second"]
+                shown = run["error"] or ((f"{rate:.1f} updates/s, " if rate else "")
+                                         + f"accuracy {run['accuracy']}")
                 print(f"[{repeat + 1}/{FLAGS.repeats}] V={rows:,} {SYSTEMS[system]}, "
                       f"{workers} workers, {num_ps} ps: {shown}", flush=True)
                 # After every run: a run stopped later keeps what was measured so far
