@@ -11,6 +11,7 @@ weights its gradient was computed on and its own application.
 """
 
 import importlib
+import math
 
 import tensorflow as tf
 
@@ -63,6 +64,35 @@ def resolve_function(reference):
 def delay_compensated(gradient, weights_now, weights_read, compensation):
     """DC-ASGD (Zheng et al. 2017): g + lambda * g * g * (w_now - w_read), elementwise."""
     return gradient + compensation * gradient * gradient * (weights_now - weights_read)
+
+
+def compensated_rows(variable, entry, gradient, read, compensation):
+    """DC-ASGD per row: `(rows, flat values)` of a table's pushed gradient (`gradient`, the
+    push's `(rows, flat values)`), its repeated rows summed, each compensated with lambda
+    `compensation` by the row's value now in `variable` (the table's part on this ps, laid
+    out as `entry`) and the value its worker read in the step (`read`, the lookups'
+    `(rows, flat values)`; a row read twice was read with one value unless another push came
+    between the reads: the first is taken)."""
+    width = math.prod(entry.shape[1:])
+    rows, index = tf.unique(gradient[0])
+    summed = tf.math.unsorted_segment_sum(tf.reshape(gradient[1], [-1, width]), index,
+                                          tf.size(rows))
+    # A row id -1 that no gradient has keeps the search below from an empty list.
+    read_ids = tf.concat([[-1], read[0]], axis=0)
+    read_values = tf.concat([tf.zeros([1, width]), tf.reshape(read[1], [-1, width])], 0)
+    read_rows, read_index = tf.unique(read_ids)
+    first = tf.math.unsorted_segment_min(tf.range(tf.size(read_ids)), read_index,
+                                         tf.size(read_rows))
+    order = tf.argsort(read_rows)
+    sorted_rows = tf.gather(read_rows, order)
+    at = tf.minimum(tf.searchsorted(sorted_rows, rows), tf.size(sorted_rows) - 1)
+    found = tf.equal(tf.gather(sorted_rows, at), rows)
+    now = tf.reshape(tf.cast(tf.gather(variable.value, rows), tf.float32), [-1, width])
+    was = tf.gather(read_values, tf.gather(first, tf.gather(order, at)))
+    # (a row the step did not read, which a lookup's gradient never has: uncompensated)
+    was = tf.where(found[:, None], was, now)
+    compensated = delay_compensated(summed, now, was, compensation)
+    return rows, tf.reshape(compensated, [-1])
 
 
 class SoftSyncPolicy:

@@ -36,8 +36,8 @@ from tfdist.ps.membership import check_rank
 from tfdist.ps.membership import control_message
 from tfdist.ps.policies import policy_from_spec
 from tfdist.ps.protocol import LIVE
+from tfdist.ps.shard_optimizer import RunFailed
 from tfdist.ps.spec import ShardSpec
-from tfdist.ps.updater import RunFailed
 from tfdist.ps.updater import ShardUpdateGraph
 from tfdist.ps.updater import shard_push_dtypes
 from tfdist.ps.variables import is_initialized

@@ -11,7 +11,6 @@ average), and replies to the workers whose pushes it used, update after update, 
 control entry (a worker joins, leaves, dies; the run stops) comes out of the push queue.
 """
 
-import math
 
 import keras
 import tensorflow as tf
@@ -21,39 +20,17 @@ from tfdist import compression as compression_lib
 from tfdist.ps import protocol
 from tfdist.ps import wire
 from tfdist.ps.policies import HISTOGRAM_BUCKETS
+from tfdist.ps.policies import compensated_rows
 from tfdist.ps.policies import delay_compensated
 from tfdist.ps.policies import policy_from_spec
 from tfdist.ps.policies import resolve_function
 from tfdist.ps.rowwise import RowwiseUpdate
+from tfdist.ps.shard_optimizer import RunFailed
+from tfdist.ps.shard_optimizer import ShardStrategy
+from tfdist.ps.shard_optimizer import ps_optimizer_config
 from tfdist.ps.spec import GRADIENT
 
-# The parts of an optimizer's config that a worker has already applied to its gradient
-# before pushing it (Keras's `apply` unscales and clips before the all-reduce).
-_APPLIED_BY_WORKERS = {"loss_scale_factor": None, "clipnorm": None, "clipvalue": None,
-                       "global_clipnorm": None, "gradient_accumulation_steps": None}
-
 _NO_CLOCK = 2 ** 62  # above any SSP clock
-
-
-class RunFailed(Exception):
-    """The run cannot go on; the message is what every worker is told."""
-
-
-def ps_optimizer_config(config):
-    """The optimizer config a ps applies: what workers did before the push taken out.
-
-    A `LossScaleOptimizer`'s scaling lives with each worker (it unscales and skips
-    non-finite steps there); the ps applies its inner optimizer.
-    """
-    if config is None:
-        return None
-    config = dict(config)
-    if config.get("class_name") == "LossScaleOptimizer":
-        config = dict(config["config"]["inner_optimizer"])
-    inner = dict(config.get("config", {}))
-    inner.update({k: v for k, v in _APPLIED_BY_WORKERS.items() if k in inner})
-    config["config"] = inner
-    return config
 
 
 def shard_push_dtypes(layout, compressor):
@@ -61,36 +38,6 @@ def shard_push_dtypes(layout, compressor):
     payload = (wire.compressed_push_dtypes(layout, compressor) if compressor
                else [tf.float32])
     return wire.push_dtypes(payload, layout.num_row_pairs)
-
-
-class _ShardExtended(_tf_compat.OneDeviceExtended):
-    """Where the ps-side optimizer's variables live, and how staleness scales its step."""
-
-    def __init__(self, container_strategy, device, masters):
-        super().__init__(container_strategy, device)
-        self.masters = masters
-        self.learning_rate_factor = None
-
-    def _create_variable(self, next_creator, **kwargs):
-        path = _tf_compat.keras_variable_path(kwargs.get("name") or "Variable")
-        master = self.masters.get(path)
-        if master is not None:
-            return master
-        return super()._create_variable(next_creator, **kwargs)
-
-    def _validate_colocate_with_variable(self, colocate_with_variable):
-        del colocate_with_variable  # masters are made outside the scope, by shared name
-
-    def _update(self, var, fn, args, kwargs, group):
-        if self.learning_rate_factor is not None and len(args) == 2:
-            gradient, learning_rate = args
-            args = (gradient, tf.cast(learning_rate, tf.float32) * self.learning_rate_factor)
-        return super()._update(var, fn, args, kwargs, group)
-
-
-class _ShardStrategy(tf.distribute.Strategy):
-    def __init__(self, device, masters):
-        super().__init__(_ShardExtended(self, device, masters))
 
 
 class ShardUpdateGraph:
@@ -126,7 +73,7 @@ class ShardUpdateGraph:
 
     def _build(self):
         """The shard's Keras variables and optimizers, and the update loop's functions."""
-        self.strategy = _ShardStrategy(self.device, self.masters)
+        self.strategy = ShardStrategy(self.device, self.masters)
         entries = self.layout.main + self.layout.values
         with self.strategy.scope():
             self.variables = []
@@ -276,36 +223,10 @@ class ShardUpdateGraph:
         for variable, entry in zip(self.table_variables, self.layout.tables):
             gradient = next(pairs)
             if entry.read_rows:
-                gradient = self._compensated_rows(variable, entry, gradient, next(pairs))
+                gradient = compensated_rows(variable, entry, gradient, next(pairs),
+                                            self.policy.delay_compensation)
             tables.append(gradient)
         return main, tables
-
-    def _compensated_rows(self, variable, entry, gradient, read):
-        """DC-ASGD per row: `(rows, flat values)` of a table's pushed gradient, its repeated
-        rows summed, each compensated with the row's value now on this ps and the value its
-        worker read in the step (`read`, the lookups' `(rows, flat values)`; a row read
-        twice was read with one value unless another push came between the reads: the
-        first is taken)."""
-        width = math.prod(entry.shape[1:])
-        rows, index = tf.unique(gradient[0])
-        summed = tf.math.unsorted_segment_sum(tf.reshape(gradient[1], [-1, width]), index,
-                                              tf.size(rows))
-        # A row id -1 that no gradient has keeps the search below from an empty list.
-        read_ids = tf.concat([[-1], read[0]], axis=0)
-        read_values = tf.concat([tf.zeros([1, width]), tf.reshape(read[1], [-1, width])], 0)
-        read_rows, read_index = tf.unique(read_ids)
-        first = tf.math.unsorted_segment_min(tf.range(tf.size(read_ids)), read_index,
-                                             tf.size(read_rows))
-        order = tf.argsort(read_rows)
-        sorted_rows = tf.gather(read_rows, order)
-        at = tf.minimum(tf.searchsorted(sorted_rows, rows), tf.size(sorted_rows) - 1)
-        found = tf.equal(tf.gather(sorted_rows, at), rows)
-        now = tf.reshape(tf.cast(tf.gather(variable.value, rows), tf.float32), [-1, width])
-        was = tf.gather(read_values, tf.gather(first, tf.gather(order, at)))
-        # (a row the step did not read, which a lookup's gradient never has: uncompensated)
-        was = tf.where(found[:, None], was, now)
-        compensated = delay_compensated(summed, now, was, self.policy.delay_compensation)
-        return rows, tf.reshape(compensated, [-1])
 
     def _send(self, rank, step, values, message=""):
         """Enqueues a reply to worker `rank` with `values` at global step `step`; with

@@ -1,0 +1,69 @@
+"""The ps side's copy of the user's optimizer: its config, and the strategy it is built in.
+
+A ps task rebuilds the optimizer the workers train with (its config travels in the run's
+spec), minus what each worker applied before pushing (loss scaling, clipping); inside
+`ShardStrategy` every variable the optimizer makes is the master the workers named by its
+Keras path, and a staleness policy's factor scales the learning rate of an update.
+"""
+
+import tensorflow as tf
+
+from tfdist import _tf_compat
+
+# The parts of an optimizer's config that a worker has already applied to its gradient
+# before pushing it (Keras's `apply` unscales and clips before the all-reduce).
+_APPLIED_BY_WORKERS = {"loss_scale_factor": None, "clipnorm": None, "clipvalue": None,
+                       "global_clipnorm": None, "gradient_accumulation_steps": None}
+
+
+class RunFailed(Exception):
+    """The run cannot go on; the message is what every worker is told."""
+
+
+def ps_optimizer_config(config):
+    """The optimizer config a ps applies: what workers did before the push taken out.
+
+    A `LossScaleOptimizer`'s scaling lives with each worker (it unscales and skips
+    non-finite steps there); the ps applies its inner optimizer.
+    """
+    if config is None:
+        return None
+    config = dict(config)
+    if config.get("class_name") == "LossScaleOptimizer":
+        config = dict(config["config"]["inner_optimizer"])
+    inner = dict(config.get("config", {}))
+    inner.update({k: v for k, v in _APPLIED_BY_WORKERS.items() if k in inner})
+    config["config"] = inner
+    return config
+
+
+class ShardExtended(_tf_compat.OneDeviceExtended):
+    """Where the ps-side optimizer's variables live, and how staleness scales its step."""
+
+    def __init__(self, container_strategy, device, masters):
+        super().__init__(container_strategy, device)
+        self.masters = masters
+        self.learning_rate_factor = None
+
+    def _create_variable(self, next_creator, **kwargs):
+        path = _tf_compat.keras_variable_path(kwargs.get("name") or "Variable")
+        master = self.masters.get(path)
+        if master is not None:
+            return master
+        return super()._create_variable(next_creator, **kwargs)
+
+    def _validate_colocate_with_variable(self, colocate_with_variable):
+        del colocate_with_variable  # masters are made outside the scope, by shared name
+
+    def _update(self, var, fn, args, kwargs, group):
+        if self.learning_rate_factor is not None and len(args) == 2:
+            gradient, learning_rate = args
+            args = (gradient, tf.cast(learning_rate, tf.float32) * self.learning_rate_factor)
+        return super()._update(var, fn, args, kwargs, group)
+
+
+class ShardStrategy(tf.distribute.Strategy):
+    """A one-device strategy on the ps task's device whose variables are the run's masters."""
+
+    def __init__(self, device, masters):
+        super().__init__(ShardExtended(self, device, masters))
