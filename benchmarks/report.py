@@ -492,7 +492,8 @@ def embedding_section(result):
                          f"{errors} of {len(cell['runs'])}" if errors else ""])
     parts += [_table(["system", "workers", "ps", "V", "updates/s", "examples/s", "vs peer",
                       "vs smallest V", "bytes / worker step", "worker peak MiB", "ps peak MiB",
-                      "accuracy (points vs one process)", "loss", "failed runs"], rows), "",
+                      "accuracy (points vs one process; hard sync: at its global batch)",
+                      "loss", "failed runs"], rows), "",
               "![embedding](embedding.png)", ""]
     return parts
 

@@ -161,8 +161,9 @@ class ReportTest(tf.test.TestCase):
 
 def _embedding_cell(system, label, workers, ps, rows, examples, memory, accuracy, runs=1, errors=0):
     return {"system": system, "label": label, "workers": workers, "ps": ps, "rows": rows,
-            "updates_per_second": _cell(examples / 256),
-            "examples_per_second": _cell(examples / 2, examples, examples * 2),
+            "updates_per_second": _cell(examples / 256) if examples else None,
+            "examples_per_second": _cell(examples / 2, examples, examples * 2)
+            if examples else None,
             "bytes_per_worker_step": _cell(50000.0) if ps else None,
             "worker_peak_bytes": _cell(memory * 2**20),
             "ps_peak_bytes": _cell(1536 * 2**20) if ps else None, "accuracy": _cell(accuracy),
@@ -184,7 +185,7 @@ def _embedding_fixture():
                             0.81, 3),
             _embedding_cell("hard_sync", "tfdist hard sync", 2, 1, rows, 25600, 700, 0.75, 3),
             _embedding_cell("one_process_global", "one process at the global batch (Keras 3)",
-                            2, 0, rows, 6400, 900, 0.76)]
+                            2, 0, rows, None, 900, 0.76)]
     return json.loads(json.dumps({
         "stamp": _stamp("0123456789abcdef" * 2 + "01234567", dirty=True),
         "settings": {"job": "Generated job.", "batch_size": 256, "steps_per_execution": 10,

@@ -84,24 +84,45 @@ class TableVariableTest(tf.test.TestCase):
 
     def test_a_step_that_records_lookups_hands_the_rows_it_read_to_its_push(self):
         # Delay compensation per row: the push of a step carries the rows its lookups read
-        # (ids and values, a row read twice there twice), once; outside a step nothing is kept.
+        # (ids and values, a row read twice there twice), once, also from inside a branch
+        # (a LossScaleOptimizer pushes inside a `tf.cond`); outside a step nothing is kept.
         table, value = _table()
         table.record_lookups()
         table.sparse_read([1, 2])  # eager, outside a step
 
         @tf.function
-        def step(first, second):
-            with replica_step():
+        def step(first, second, finite):
+            with tables.step_lookups():
                 rows = table.sparse_read(first) + table.sparse_read(second)
-                read = table.take_lookups()
-                again = table.take_lookups()
-            return rows, read.indices, read.values, tf.size(again.indices)
 
-        _, ids, rows, again = step(tf.constant([[3, 17]]), tf.constant([[17, 29]]))
+                def push():
+                    read = table.take_lookups()
+                    return read.indices, read.values
+
+                ids, values = tf.cond(finite, push, lambda: (tf.zeros([0], tf.int64),
+                                                             tf.zeros([0, WIDTH])))
+                again = table.take_lookups()
+            return rows, ids, values, tf.size(again.indices)
+
+        _, ids, rows, again = step(tf.constant([[3, 17]]), tf.constant([[17, 29]]),
+                                   tf.constant(True))
         self.assertAllEqual(ids, [3, 17, 17, 29])
         self.assertAllEqual(rows, value[[3, 17, 17, 29]])
         self.assertEqual(int(again), 0)
-        self.assertEmpty(table._tfdist_lookups)
+
+    def test_eager_steps_keep_no_lookups_past_their_end(self):
+        # `run_eagerly=True`: an evaluate step's lookups are gone when it ends; a train
+        # step's push takes only its own.
+        table, value = _table()
+        table.record_lookups()
+        for _ in range(3):
+            with tables.step_lookups():
+                table.sparse_read([3, 17])
+        with tables.step_lookups():
+            table.sparse_read([5])
+            read = table.take_lookups()
+        self.assertAllEqual(read.indices, [5])
+        self.assertAllEqual(read.values, value[[5]])
 
     def test_a_keras_embedding_trains_through_row_lookups(self):
         with tf.variable_creator_scope(_table_creator(((0, 12), (12, ROWS)))):

@@ -391,14 +391,18 @@ class ClientPackTest(tf.test.TestCase):
                                            tf.zeros([0]))
 
         replies = []
-        thread = threading.Thread(target=lambda: replies.append(push(
+        thread = threading.Thread(daemon=True, target=lambda: replies.append(push(
             tf.constant([5, 3, 5], tf.int64),
             tf.constant([1.0, 1.0, 2.0, 2.0, 3.0, 3.0]))))
         thread.start()
+        deadline = time.monotonic() + 60
         while int(tf.raw_ops.QueueSizeV2(handle=shard.queue)) == 0:
+            self.assertTrue(thread.is_alive(), "the push raised before it was enqueued")
+            self.assertLess(time.monotonic(), deadline, "the push never arrived")
             time.sleep(0.01)
         shard.serve(required=1)
         thread.join(timeout=60)
+        self.assertFalse(thread.is_alive(), "no reply came back")
         token, _, values = replies[0]
         self.assertEqual(int(token), 1)
         self.assertAllClose(values, [0.5, 2.5])   # the dense part: w - 0.5 * g

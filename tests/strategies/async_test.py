@@ -136,6 +136,7 @@ class AsyncTrainingTest(tf.test.TestCase):
         pushes = sum(load_result(out, f"worker{r}.json")["pushes"] for r in range(3))
         self.assertEqual(chief["aggregated"], pushes)
         self.assertEqual(chief["tables_pushed"], [1])
+        self.assertEqual(chief["tables_read_rows"], [[True]])  # pushes carry the rows read
         self.assertLess(chief["history"]["loss"][-1], chief["history"]["loss"][0])
 
     def test_the_chief_waits_for_a_slower_worker_and_a_pause_is_not_death(self):

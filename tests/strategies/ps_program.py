@@ -281,6 +281,9 @@ def main(argv):
               if history.epoch else None,
               "tables_pushed": [len(layout.tables) for layout in strategy.extended._layouts]
               if history.epoch else None,
+              "tables_read_rows": [[e.read_rows for e in layout.tables]
+                                   for layout in strategy.extended._layouts]
+              if history.epoch else None,
               "loss_scale": float(getattr(model.optimizer, "dynamic_scale", 0.0))}
     if strategy.is_chief:
         stats = result["progress"]

@@ -275,7 +275,7 @@ class FaultTest(tf.test.TestCase, parameterized.TestCase):
         # current weights, skips that reply, and each of its 4 steps takes its own: the global
         # step of its last reply is the ps's (13 updates, see `ps_program.restart_scenario`).
         # The model's embedding table lives on the ps: the restarted chief joins the run in
-        # progress and takes its table as the run left it (no new initial value).
+        # progress and ends on the weights worker 1 reads, table included.
         out = self.get_temp_dir()
         with make_cluster(out, 2, "--scenario=restart", "--strategy=async", "--model=embedding",
                           "--strategy_arg=max_staleness=4", "--strategy_arg=on_stale='wait'",

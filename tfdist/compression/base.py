@@ -345,7 +345,6 @@ def _key(key):
     return tf.cast(tf.reshape(key, [2]), tf.int64)
 
 
-
 def num_selected(size, ratio):
     """How many of `size` elements a sparsifier with `ratio` sends: max(1, floor(ratio*size))."""
     return max(1, int(math.floor(ratio * size)))

@@ -184,11 +184,8 @@ class TableSet:
         self._ready = True
 
     def check_step(self):
-        """After a step was traced: no table was read whole in it; the lookups it kept and
-        no push took (an evaluate or predict step's) are let go."""
+        """After a step was traced: no table was read whole in it."""
         check_step_reads(self.tables)
-        for table in self.tables:
-            table.take_lookups()
 
     def initialize(self):
         """A new run, on the chief: every part takes its table's initial value (the value

@@ -19,8 +19,9 @@ the table's Keras path and rows), and:
   master variable.
 """
 
+import contextlib
 import logging
-import weakref
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -40,6 +41,38 @@ def part_name(path, rows):
     pass) must already hold the handle it will use.
     """
     return f"table/{path}/{rows[0]}:{rows[1]}"
+
+
+# The lookups of the replica step running (or being traced) in this thread, by table:
+# `{id(table): [(ids, rows)]}`, or None outside a step.
+_step = threading.local()
+
+
+@contextlib.contextmanager
+def step_lookups():
+    """One replica step: the lookups of tables that record them (`record_lookups`) are kept
+    until its push takes them (`take_lookups`), and let go when it ends, taken or not (an
+    evaluate or predict step's, an eager step's)."""
+    previous = getattr(_step, "lookups", None)
+    _step.lookups = {}
+    try:
+        yield
+    finally:
+        _step.lookups = previous
+
+
+def _reachable(tensor):
+    """Whether `tensor` can be used where ops are being made now: eager, or made in the
+    current graph or a graph enclosing it (whose tensors a branch or loop body captures)."""
+    if not isinstance(tensor, tf.Tensor) or tf.executing_eagerly() or not hasattr(
+            tensor, "graph"):
+        return True
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if tensor.graph is graph:
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
 
 
 class TableVariable(_tf_compat.BaseResourceVariable):
@@ -91,8 +124,6 @@ class TableVariable(_tf_compat.BaseResourceVariable):
         variable._tfdist_initial_value = initial_value
         variable._tfdist_step_reads = []
         variable._tfdist_record_lookups = False
-        # {graph: [(ids, rows)]}: the lookups of each step's trace (`record_lookups`).
-        variable._tfdist_lookups = weakref.WeakKeyDictionary()
         variable._tfdist_pending = None   # the chief's value from before the run
         variable._tfdist_joined = False
         return variable
@@ -149,27 +180,40 @@ class TableVariable(_tf_compat.BaseResourceVariable):
             return result, gradient
 
         result = lookup(self.handle)
-        if self._tfdist_record_lookups and variables_lib.in_replica_step():
-            graph = tf.compat.v1.get_default_graph()
-            self._tfdist_lookups.setdefault(graph, []).append(
+        record = getattr(_step, "lookups", None)
+        if self._tfdist_record_lookups and record is not None:
+            record.setdefault(id(self), []).append(
                 (tf.reshape(indices, [-1]), tf.reshape(result, [-1, *shape[1:]])))
         return result
 
     def record_lookups(self):
-        """From now on each lookup in a replica step is kept for `take_lookups` (the rows a
-        step read: delay compensation per row)."""
+        """From now on each lookup in a step (`step_lookups`) is kept for `take_lookups`
+        (the rows a step read: delay compensation per row)."""
         self._tfdist_record_lookups = True
 
     def take_lookups(self):
-        """The rows the lookups traced so far in the current graph (a step's trace) read, as
-        `tf.IndexedSlices(rows, ids)` (a row read twice is there twice); then forgets
-        them."""
-        lookups = self._tfdist_lookups.pop(tf.compat.v1.get_default_graph(), [])
-        if not lookups:
+        """The rows this table's lookups in the current step (`step_lookups`) read, as
+        `tf.IndexedSlices(rows, ids)` (a row read twice is there twice); then forgets them.
+
+        The push that takes them may be traced in a branch of the step (a
+        `LossScaleOptimizer` applies inside a `tf.cond`): lookups of an enclosing graph are
+        captured. A lookup traced inside a branch or loop of the model itself cannot be
+        reached from the push; its rows are left out (logged once): they are applied
+        uncompensated, as a row nobody read would be."""
+        record = getattr(_step, "lookups", None) or {}
+        lookups = record.pop(id(self), [])
+        reachable = [(ids, rows) for ids, rows in lookups if _reachable(rows)]
+        if len(reachable) < len(lookups) and not getattr(self, "_tfdist_warned_lookups", False):
+            self._tfdist_warned_lookups = True
+            logging.getLogger("tfdist").warning(
+                "tfdist: lookups of the table %s inside a `tf.cond` or loop of the model "
+                "cannot travel with the push: delay compensation leaves their rows "
+                "uncompensated", self._tfdist_path)
+        if not reachable:
             return tf.IndexedSlices(tf.zeros([0, *self.shape[1:]], self.dtype),
                                     tf.zeros([0], tf.int64))
-        return tf.IndexedSlices(tf.concat([rows for _, rows in lookups], axis=0),
-                                tf.concat([tf.cast(ids, tf.int64) for ids, _ in lookups], 0))
+        return tf.IndexedSlices(tf.concat([rows for _, rows in reachable], axis=0),
+                                tf.concat([tf.cast(ids, tf.int64) for ids, _ in reachable], 0))
 
     # Whole reads and writes ----------------------------------------------------------------
 

@@ -11,7 +11,6 @@ average), and replies to the workers whose pushes it used, update after update, 
 control entry (a worker joins, leaves, dies; the run stops) comes out of the push queue.
 """
 
-
 import keras
 import tensorflow as tf
 

@@ -13,6 +13,7 @@ the masters, leaving. What a step pushes, and so what a variable is for, is its 
 """
 
 import atexit
+import contextlib
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ from tfdist.cluster.network import INIT_TIMEOUT_ENV
 from tfdist.cluster.network import timeout_from_env
 from tfdist.ps import placement
 from tfdist.ps import protocol
+from tfdist.ps import tables as tables_lib
 from tfdist.ps import wire
 from tfdist.ps.client import RunError
 from tfdist.ps.client import ShardClient
@@ -173,7 +175,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             self._tables.ready()
         self._tls.step = step
         try:
-            with replica_step():
+            with replica_step(), (tables_lib.step_lookups() if previous is None
+                                  else contextlib.nullcontext()):
                 result = super()._call_for_each_replica(fn, args, kwargs)
                 if step.trained and previous is None:
                     self._push.after_step()
