@@ -447,7 +447,7 @@ def embedding_section(result):
              "updates), where that was measured (accuracy only, one seeded run)."
              + ("" if settings.get("complete", True) else
                 " **An incomplete run** (stopped before every run was made): only the cells "
-                "measured are shown.") + _load_text(result), ""]
+                "measured are shown.") + _merged_text(result) + _load_text(result), ""]
     rows = [[f"{int(v):,}", f"{e['parameters']:,}",
              f"{sum(e['unique_rows_per_batch'].values()):,.0f}",
              f"{e['rows_only_bytes_per_worker_step']:,.0f}",
@@ -496,6 +496,17 @@ def embedding_section(result):
                       "loss", "failed runs"], rows), "",
               "![embedding](embedding.png)", ""]
     return parts
+
+
+def _merged_text(result):
+    """Where an `embedding.json` joins the cells of several runs: each run's commit, V and
+    systems, as `merged_from` records them."""
+    merged = result.get("merged_from")
+    if not merged:
+        return ""
+    runs = "; ".join(f"`{str(m['commit'])[:12]}`: V {', '.join(f'{int(v):,}' for v in m['rows'])}"
+                     f" ({', '.join(m['systems'])}, {m['cells']} cells)" for m in merged)
+    return f" The cells come from {len(merged)} runs of the same tfdist code: {runs}."
 
 
 def plot_embedding(result, path):

@@ -225,6 +225,16 @@ class EmbeddingReportTest(tf.test.TestCase):
         peer = next(line for line in text.splitlines() if line.startswith("| tf_keras"))
         self.assertNotIn("x |", peer.split("|")[7])  # no ratio of the peer to itself
 
+    def test_a_merged_result_names_each_run(self):
+        result = _embedding_fixture()
+        result["merged_from"] = [
+            {"commit": "a" * 40, "rows": ["100000"], "systems": ["async", "peer"], "cells": 2},
+            {"commit": "b" * 40, "rows": ["1000000"], "systems": ["async"], "cells": 1}]
+        text = "\n".join(report.embedding_section(result))
+        self.assertIn("The cells come from 2 runs of the same tfdist code: `aaaaaaaaaaaa`: V "
+                      "100,000 (async, peer, 2 cells); `bbbbbbbbbbbb`: V 1,000,000 (async, 1 "
+                      "cells).", text)
+
     def test_report_names_the_commit_and_writes_the_plot(self):
         out = self.get_temp_dir()
         with open(os.path.join(out, "embedding.json"), "w") as f:
