@@ -3,7 +3,8 @@
 Each worker rank of a run is expected (not seen yet), live (training), left or died; the
 run's progress vector shows it to every worker. A run ends when its policy needs no more
 pushes from the live ones. The `LivenessWatcher` of a ps task probes the servers of the
-current run's workers and tells the run of those that went away, or never came.
+current run's workers with an RPC (`ServerProbe`) and tells the run of those that went
+away, stopped answering, or never came.
 """
 
 import logging
@@ -187,9 +188,16 @@ class ServerProbe:
     which lists only the probed task's own devices, through `device_filters`); each later
     one asks that session for its devices (ListDevices). Both are answered by the server's
     RPC threads: no op runs, no thread of the training process is needed (a worker whose
-    Python thread sleeps or computes answers), and nothing is logged. A server that
-    restarted answers "session not found": it is alive, and the next probe creates a new
-    session there. A session is kept per address for as long as its server lives.
+    Python thread sleeps or computes answers). A server that restarted answers "session
+    not found": it is alive, and the next probe creates a new session there. A session is
+    kept per address for as long as its server lives.
+
+    TensorFlow logs, in C++: the probed server, once per session (at INFO, hidden from
+    TF_CPP_MIN_LOG_LEVEL=1), "Scanning workers for devices" (and, the first time,
+    "Initializing CoordinationService": its first worker session initialises the
+    coordination service its eager context was configured with; no agent connects to it);
+    this process, for each ListDevices without an answer (at ERROR), "Could not list
+    devices".
 
     A probe makes at most one RPC, with the deadline `timeout`, after a TCP connect of at
     most half a second: a port that refuses connections is `GONE` at once, without an RPC
@@ -241,8 +249,9 @@ class ServerProbe:
                     self._discard(address)
                     self.errors.pop(address, None)
                     return ANSWERED
-                self.errors[address] = (f"{type(e).__name__}: {e.message.strip()}"
-                                        if e.message.strip() else type(e).__name__)
+                first_line = e.message.strip().split("\n")[0]
+                self.errors[address] = (f"{type(e).__name__}: {first_line}" if first_line
+                                        else type(e).__name__)
                 return STALLED
             self.errors.pop(address, None)
             return ANSWERED
