@@ -156,7 +156,7 @@ class FakeRun:
             init_timeout=init_timeout)
         self.members = Membership(n, threading.Lock())
         self.members.status[:] = statuses
-        self.told = []
+        self.told, self.stalls = [], {}
 
     def send_control(self, kind, rank):
         self.told.append((kind, rank))
@@ -185,6 +185,7 @@ class LivenessWatcherTest(tf.test.TestCase):
         self.assertEqual(run.told, [])  # 29.5 s without an answer: not yet
         self.poll_until(watcher, 41.0)
         self.assertEqual(run.told, [(protocol.DEAD, 1)])
+        self.assertRegex(run.stalls[1], r"no answer for 3\d s, stall_timeout=30 s")
         self.poll_until(watcher, 100.0)
         self.assertEqual(run.told, [(protocol.DEAD, 1)])  # told once
 
@@ -207,6 +208,7 @@ class LivenessWatcherTest(tf.test.TestCase):
         self.assertEqual(run.told, [])
         self.poll_until(watcher, self.now + 0.5)
         self.assertEqual(run.told, [(protocol.DEAD, 0)])
+        self.assertEqual(run.stalls, {})  # killed: it "died"
 
     def test_a_worker_never_seen_dies_after_init_timeout(self):
         run = FakeRun([LIVE, EXPECTED], init_timeout=100.0)

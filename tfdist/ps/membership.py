@@ -298,7 +298,8 @@ class LivenessWatcher:
 
     Args:
       current_run: a function returning the service's current run (or None): it has
-        `run`, `members` (a `Membership`), `finished`, `created`, `spec` and
+        `run`, `members` (a `Membership`), `finished`, `created`, `spec`, `stalls` (a dict
+        where the watcher says, by rank, why a worker it tells dead stopped answering) and
         `send_control(tag, rank)`.
       interval: seconds between rounds of probes.
       misses_to_dead: probes in a row finding nothing listening after which a worker is
@@ -365,10 +366,11 @@ class LivenessWatcher:
                 continue
             self._told.add(key)
             if answer == STALLED:
-                log.warning("tfdist: %s at %s has not answered for %.0f s (stall_timeout="
-                            "%g s; %s): treated as dead", run.spec.worker_tasks[rank],
-                            address, now - heard, self.stall_timeout,
-                            self.probe.errors.get(address, "no answer"))
+                stall = (f"no answer for {now - heard:.0f} s, stall_timeout="
+                         f"{self.stall_timeout:g} s; {self.probe.errors.get(address, '')}")
+                run.stalls[rank] = stall
+                log.warning("tfdist: %s at %s stopped answering (%s): treated as dead",
+                            run.spec.worker_tasks[rank], address, stall)
             try:
                 run.send_control(protocol.DEAD, rank)
             except tf.errors.OpError:

@@ -66,6 +66,7 @@ class ShardRun:
         self.failure = None
         self.finished = threading.Event()
         self.created = time.monotonic()
+        self.stalls = {}  # rank: how long a worker the watcher found dead did not answer
         self.push_dtypes = shard_push_dtypes(protocol.ShardLayout(spec.variables),
                                              compression_lib.get(spec.compression))
         self.push_queue = protocol.open_push_queue(self.device, run, self.push_dtypes)
@@ -199,7 +200,9 @@ class ShardRun:
         """Worker `rank` died (`was` LIVE) or never joined: the run fails under hard sync,
         else goes on without it."""
         task = f"{self.spec.worker_tasks[rank]} at {self.spec.worker_addresses[rank]}"
-        what = (f"{task} died" if was == LIVE else
+        stall = self.stalls.pop(rank, None)
+        what = (f"{task} stopped answering ({stall})" if stall is not None and was == LIVE
+                else f"{task} died" if was == LIVE else
                 f"{task} never joined the run (its server did not answer within "
                 f"init_timeout={self.spec.init_timeout:g} s)")
         if self.policy.fails_on_dead_worker:
