@@ -128,13 +128,15 @@ class ServerProbeTest(tf.test.TestCase):
 
 
 class ScriptedProbe:
-    """Answers what `answers[address]` says (default ANSWERED)."""
+    """Answers what `answers[address]` says (default ANSWERED); a probe of an address in
+    `meet` first waits at that barrier."""
 
     def __init__(self):
-        self.answers, self.errors, self.calls = {}, {}, 0
+        self.answers, self.errors, self.meet = {}, {}, {}
 
     def __call__(self, address, task):
-        self.calls += 1
+        if address in self.meet:
+            self.meet[address].wait()
         return self.answers.get(address, ANSWERED)
 
     def close(self):
@@ -163,9 +165,11 @@ class LivenessWatcherTest(tf.test.TestCase):
     def watcher(self, run, stall_timeout=30.0, misses_to_dead=4):
         self.now = 0.0
         self.probe = ScriptedProbe()
-        return LivenessWatcher(lambda: run, interval=0.5, misses_to_dead=misses_to_dead,
-                               stall_timeout=stall_timeout, probe=self.probe,
-                               clock=lambda: self.now)
+        watcher = LivenessWatcher(lambda: run, interval=0.5, misses_to_dead=misses_to_dead,
+                                  stall_timeout=stall_timeout, probe=self.probe,
+                                  clock=lambda: self.now)
+        self.addCleanup(watcher.close)
+        return watcher
 
     def poll_until(self, watcher, until, step=0.5):
         while self.now < until:
@@ -214,6 +218,18 @@ class LivenessWatcherTest(tf.test.TestCase):
         self.assertEqual(run.told, [])
         self.poll_until(watcher, 101.0)
         self.assertEqual(run.told, [(protocol.DEAD, 1)])
+
+    def test_workers_are_probed_at_once(self):
+        # Each probe of a stalled worker takes the probe's whole deadline: one after the
+        # other, they would delay noticing the others. Here the probes of workers 0 and 1
+        # return only once both have started (a barrier, not a clock).
+        run = FakeRun([LIVE, LIVE, LIVE])
+        watcher = self.watcher(run, misses_to_dead=1)
+        barrier = threading.Barrier(2, timeout=HANG_BOUND)
+        self.probe.meet = {"host:0": barrier, "host:1": barrier}
+        self.probe.answers = {"host:0": STALLED, "host:1": STALLED, "host:2": GONE}
+        watcher.poll()
+        self.assertEqual(run.told, [(protocol.DEAD, 2)])
 
     def test_stall_timeout_is_checked(self):
         with self.assertRaisesRegex(ValueError, "`stall_timeout` must be a positive"):

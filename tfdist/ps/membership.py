@@ -7,6 +7,7 @@ current run's workers with an RPC (`ServerProbe`) and tells the run of those tha
 away, stopped answering, or never came.
 """
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -219,42 +220,50 @@ class ServerProbe:
                              f"Received: {timeout!r}")
         self.timeout = timeout
         self.errors = {}  # address: why its last probe did not answer
-        self._sessions = {}
+        self._sessions = {}  # address: the session kept on its server
+        self._server_locks = {}  # address: held while its server is probed
         self._lock = threading.Lock()
 
     def __call__(self, address, task):
         """Probes the server of `task` (e.g. "/job:worker/task:0") at `address` ("host:port").
 
+        Servers at different addresses may be probed at once, from several threads.
+
         Returns `ANSWERED`, `STALLED` or `GONE`.
         """
         with self._lock:
-            if not is_listening(address, timeout=min(0.5, self.timeout)):
+            server_lock = self._server_locks.setdefault(address, threading.Lock())
+        with server_lock:
+            return self._probe(address, task)
+
+    def _probe(self, address, task):
+        if not is_listening(address, timeout=min(0.5, self.timeout)):
+            self._discard(address)
+            self.errors[address] = "nothing accepts connections there"
+            return GONE
+        session = self._sessions.get(address)
+        try:
+            if session is None:
+                session = self._new_session(address, task)
+                _tf_compat.create_remote_session(session)
+                self._sessions[address] = session
+            else:
+                session.list_devices()
+        except tf.errors.OpError as e:
+            if self._sessions.get(address) is not session:
+                _tf_compat.discard_remote_session(session)  # never created there
+            elif isinstance(e, tf.errors.InvalidArgumentError) and (
+                    "is not found" in e.message):
+                # The server answered that it does not know the session: a new process.
                 self._discard(address)
-                self.errors[address] = "nothing accepts connections there"
-                return GONE
-            session = self._sessions.get(address)
-            try:
-                if session is None:
-                    session = self._new_session(address, task)
-                    _tf_compat.create_remote_session(session)
-                    self._sessions[address] = session
-                else:
-                    session.list_devices()
-            except tf.errors.OpError as e:
-                if self._sessions.get(address) is not session:
-                    _tf_compat.discard_remote_session(session)  # never created there
-                elif isinstance(e, tf.errors.InvalidArgumentError) and (
-                        "is not found" in e.message):
-                    # The server answered that it does not know the session: a new process.
-                    self._discard(address)
-                    self.errors.pop(address, None)
-                    return ANSWERED
-                first_line = e.message.strip().split("\n")[0]
-                self.errors[address] = (f"{type(e).__name__}: {first_line}" if first_line
-                                        else type(e).__name__)
-                return STALLED
-            self.errors.pop(address, None)
-            return ANSWERED
+                self.errors.pop(address, None)
+                return ANSWERED
+            first_line = e.message.strip().split("\n")[0]
+            self.errors[address] = (f"{type(e).__name__}: {first_line}" if first_line
+                                    else type(e).__name__)
+            return STALLED
+        self.errors.pop(address, None)
+        return ANSWERED
 
     def _new_session(self, address, task):
         graph = tf.Graph()
@@ -272,8 +281,12 @@ class ServerProbe:
     def close(self):
         """Closes the sessions kept on the servers (one RPC each, within the deadline)."""
         with self._lock:
-            sessions, self._sessions = self._sessions, {}
-            for session in sessions.values():
+            locks = list(self._server_locks.items())
+        for address, server_lock in locks:
+            with server_lock:
+                session = self._sessions.pop(address, None)
+                if session is None:
+                    continue
                 try:
                     session.close()
                 except tf.errors.OpError:
@@ -283,6 +296,9 @@ class ServerProbe:
 # Seconds a worker whose port accepts connections may go without answering a probe before
 # it is dead (a stopped process, a hung machine).
 DEFAULT_STALL_TIMEOUT = 60.0
+
+# Threads probing a run's workers at once.
+_PROBE_THREADS = 16
 
 
 class LivenessWatcher:
@@ -323,6 +339,7 @@ class LivenessWatcher:
         self.probe = probe or ServerProbe(min(PROBE_TIMEOUT, stall_timeout))
         self._clock = clock or time.monotonic
         self.stopped = threading.Event()
+        self._pool = None
         self._misses, self._heard, self._seen, self._told = {}, {}, set(), set()
 
     def watch(self):
@@ -330,23 +347,42 @@ class LivenessWatcher:
             while not self.stopped.wait(self.interval):
                 self.poll()
         finally:
-            self.probe.close()
+            self.close()
+
+    def close(self):
+        """Stops the probing threads and closes the probe's sessions."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.probe.close()
+
+    def _answers(self, run, ranks):
+        """`{rank: answer}`, the workers probed at once: a stalled one, which takes the
+        probe's whole deadline, must not delay noticing the others."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=_PROBE_THREADS, thread_name_prefix="tfdist-probe")
+        spec = run.spec
+        return dict(zip(ranks, self._pool.map(
+            lambda r: self.probe(spec.worker_addresses[r], spec.worker_tasks[r]), ranks)))
 
     def poll(self):
         """Probes the workers of the current run once; tells the run of the dead ones."""
         run = self.current_run()
         if run is None or run.finished.is_set():
             return
-        for rank, status in enumerate(list(run.members.status)):
-            key = (run.run, rank)
+        statuses = list(run.members.status)
+        for rank, status in enumerate(statuses):
             if status not in _IN_RUN:
+                key = (run.run, rank)
                 for table in (self._misses, self._heard):
                     table.pop(key, None)
                 self._told.discard(key)
-                continue
+        answers = self._answers(run, [r for r, s in enumerate(statuses) if s in _IN_RUN])
+        now = self._clock()
+        for rank, answer in answers.items():
+            key, status = (run.run, rank), statuses[rank]
             address = run.spec.worker_addresses[rank]
-            answer = self.probe(address, run.spec.worker_tasks[rank])
-            now = self._clock()
             if answer == ANSWERED:
                 self._misses[key] = 0
                 self._heard[key] = now
