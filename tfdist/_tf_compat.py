@@ -357,3 +357,26 @@ def start_eager_context():
     from tensorflow.python.eager import context
 
     context.context().ensure_initialized()
+
+
+def create_remote_session(session):
+    """Creates `session` (a `tf.compat.v1.Session` on a `grpc://` target) on its server now.
+
+    A session on a remote server is created there (a CreateSession RPC, with the session's
+    `operation_timeout_in_ms`) by its first run. The liveness probe
+    (`tfdist.ps.membership.ServerProbe`) creates it without running anything, so that no op
+    of the probed process needs a thread; TF's `Session` has only this private method for it
+    (checked on TF 2.21).
+    """
+    session._extend_graph()  # pylint: disable=protected-access
+
+
+def discard_remote_session(session):
+    """Drops `session` without the CloseSession RPC that closing it sends.
+
+    For a session whose server is gone, or restarted and no longer knows it: the RPC would
+    take its whole deadline to fail (retries of a refused connection) or would be useless.
+    `Session.close` and `__del__` skip the RPC of a session marked closed; `__del__` still
+    frees it in this process (checked on TF 2.21).
+    """
+    session._closed = True  # pylint: disable=protected-access

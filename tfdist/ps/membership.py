@@ -3,14 +3,18 @@
 Each worker rank of a run is expected (not seen yet), live (training), left or died; the
 run's progress vector shows it to every worker. A run ends when its policy needs no more
 pushes from the live ones. The `LivenessWatcher` of a ps task probes the servers of the
-current run's workers and tells the run of those that went away, or never came.
+current run's workers with an RPC (`ServerProbe`) and tells the run of those that went
+away, stopped answering, or never came.
 """
 
+import concurrent.futures
+import logging
 import threading
 import time
 
 import tensorflow as tf
 
+from tfdist import _tf_compat
 from tfdist.cluster import is_listening
 from tfdist.ps import protocol
 from tfdist.ps import wire
@@ -18,6 +22,8 @@ from tfdist.ps.protocol import DIED
 from tfdist.ps.protocol import EXPECTED
 from tfdist.ps.protocol import LEFT
 from tfdist.ps.protocol import LIVE
+
+log = logging.getLogger("tfdist")
 
 _IN_RUN = (EXPECTED, LIVE)
 
@@ -164,54 +170,244 @@ def check_rank(rank, num_workers, kind):
                                 f"Received: rank={rank}")
 
 
-def probe(address):
-    """Whether the server of a worker at `address` answers."""
-    return is_listening(address, timeout=0.5)
+# Answers of `ServerProbe`.
+ANSWERED = "answered"  # the server answered an RPC within the deadline
+STALLED = "stalled"  # its port accepts connections, but it did not answer in time
+GONE = "gone"  # nothing accepts connections at its address
+
+# Seconds a server gets to answer one probe.
+PROBE_TIMEOUT = 2.0
+
+
+class ServerProbe:
+    """Asks TensorFlow servers whether they answer an RPC within a deadline.
+
+    A TCP connect is not enough: the kernel accepts connections for a stopped process (a
+    hung machine, SIGSTOP) as for a live one. So a probe is an RPC to the server's master
+    service, made by TensorFlow's own gRPC runtime: a `tf.compat.v1.Session` on
+    `grpc://address`. The first probe of a server creates a session there (CreateSession,
+    which lists only the probed task's own devices, through `device_filters`); each later
+    one asks that session for its devices (ListDevices). Both are answered by the server's
+    RPC threads: no op runs, no thread of the training process is needed (a worker whose
+    Python thread sleeps or computes answers). A server that restarted answers "session
+    not found": it is alive, and the next probe creates a new session there. A session is
+    kept per address for as long as its server lives.
+
+    TensorFlow logs, in C++: the probed server, once per session (at INFO, hidden from
+    TF_CPP_MIN_LOG_LEVEL=1), "Scanning workers for devices" (and, the first time,
+    "Initializing CoordinationService": its first worker session initialises the
+    coordination service its eager context was configured with; no agent connects to it);
+    this process, for each ListDevices without an answer (at ERROR), "Could not list
+    devices".
+
+    A probe makes at most one RPC, with the deadline `timeout`, after a TCP connect of at
+    most half a second: a port that refuses connections is `GONE` at once, without an RPC
+    (whose retries would take the whole deadline).
+
+    Example:
+
+        probe = ServerProbe(timeout=2.0)
+        probe("localhost:2223", "/job:worker/task:0")  # ANSWERED, STALLED or GONE
+        probe.errors["localhost:2223"]  # why the last probe there did not answer
+
+    Args:
+      timeout: seconds a server gets to answer one probe.
+    """
+
+    def __init__(self, timeout=PROBE_TIMEOUT):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"`timeout` must be a positive number of seconds. "
+                             f"Received: {timeout!r}")
+        self.timeout = timeout
+        self.errors = {}  # address: why its last probe did not answer
+        self._sessions = {}  # address: the session kept on its server
+        self._server_locks = {}  # address: held while its server is probed
+        self._lock = threading.Lock()
+
+    def __call__(self, address, task):
+        """Probes the server of `task` (e.g. "/job:worker/task:0") at `address` ("host:port").
+
+        Servers at different addresses may be probed at once, from several threads.
+
+        Returns `ANSWERED`, `STALLED` or `GONE`.
+        """
+        with self._lock:
+            server_lock = self._server_locks.setdefault(address, threading.Lock())
+        with server_lock:
+            return self._probe(address, task)
+
+    def _probe(self, address, task):
+        if not is_listening(address, timeout=min(0.5, self.timeout)):
+            self._discard(address)
+            self.errors[address] = "nothing accepts connections there"
+            return GONE
+        session = self._sessions.get(address)
+        try:
+            if session is None:
+                session = self._new_session(address, task)
+                _tf_compat.create_remote_session(session)
+                self._sessions[address] = session
+            else:
+                session.list_devices()
+        except tf.errors.OpError as e:
+            if self._sessions.get(address) is not session:
+                _tf_compat.discard_remote_session(session)  # never created there
+            elif isinstance(e, tf.errors.InvalidArgumentError) and (
+                    "is not found" in e.message):
+                # The server answered that it does not know the session: a new process.
+                self._discard(address)
+                self.errors.pop(address, None)
+                return ANSWERED
+            first_line = e.message.strip().split("\n")[0]
+            self.errors[address] = (f"{type(e).__name__}: {first_line}" if first_line
+                                    else type(e).__name__)
+            return STALLED
+        self.errors.pop(address, None)
+        return ANSWERED
+
+    def _new_session(self, address, task):
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.constant(0)  # a session is created with a graph; nothing runs it
+        config = tf.compat.v1.ConfigProto(
+            operation_timeout_in_ms=max(1, int(self.timeout * 1000)), device_filters=[task])
+        return tf.compat.v1.Session(f"grpc://{address}", graph=graph, config=config)
+
+    def _discard(self, address):
+        session = self._sessions.pop(address, None)
+        if session is not None:
+            _tf_compat.discard_remote_session(session)
+
+    def close(self):
+        """Closes the sessions kept on the servers (one RPC each, within the deadline)."""
+        with self._lock:
+            locks = list(self._server_locks.items())
+        for address, server_lock in locks:
+            with server_lock:
+                session = self._sessions.pop(address, None)
+                if session is None:
+                    continue
+                try:
+                    session.close()
+                except tf.errors.OpError:
+                    pass  # that server is gone or stalled: its session goes with it
+
+
+# Seconds a worker whose port accepts connections may go without answering a probe before
+# it is dead (a stopped process, a hung machine).
+DEFAULT_STALL_TIMEOUT = 60.0
+
+# Threads probing a run's workers at once.
+_PROBE_THREADS = 16
 
 
 class LivenessWatcher:
-    """Finds workers whose server went away, or never came, and tells their run.
+    """Finds workers that went away, stopped answering, or never came, and tells their run.
 
-    A worker that has joined, or whose server was seen, is dead after `misses_to_dead`
-    missed probes in a row; one whose server never answered is dead `init_timeout` after the
-    run started. A slow worker whose server answers is never cut off.
+    Each round probes the server of every worker of the current run (`ServerProbe`). A
+    worker that has joined, or whose server was seen, is dead after `misses_to_dead` probes
+    in a row found nothing listening at its address (a killed process), or once it has not
+    answered for `stall_timeout` seconds while its port accepts connections (a stopped
+    process, a hung machine); one whose server never answered is dead `init_timeout` after
+    the run started. A slow worker is never cut off: its server's RPC threads answer while
+    its training thread computes or waits.
 
     Args:
       current_run: a function returning the service's current run (or None): it has
-        `run`, `members` (a `Membership`), `finished`, `created`, `spec` and
+        `run`, `members` (a `Membership`), `finished`, `created`, `spec`, `stalls` (a dict
+        where the watcher says, by rank, why a worker it tells dead stopped answering) and
         `send_control(tag, rank)`.
-      interval: seconds between probes.
-      misses_to_dead: failed probes in a row after which a worker is dead.
+      interval: seconds between rounds of probes.
+      misses_to_dead: probes in a row finding nothing listening after which a worker is
+        dead.
+      stall_timeout: seconds without an answer after which a worker whose port accepts
+        connections is dead.
+      probe: a `ServerProbe` (None: a new one, whose deadline is at most `stall_timeout`).
+      clock: for tests (`time.monotonic`).
     """
 
-    def __init__(self, current_run, interval, misses_to_dead):
+    def __init__(self, current_run, interval, misses_to_dead,
+                 stall_timeout=DEFAULT_STALL_TIMEOUT, probe=None, clock=None):
+        if (isinstance(stall_timeout, bool) or not isinstance(stall_timeout, (int, float))
+                or stall_timeout <= 0):
+            raise ValueError(f"`stall_timeout` must be a positive number of seconds. "
+                             f"Received: {stall_timeout!r}")
         self.current_run = current_run
         self.interval = interval
         self.misses_to_dead = misses_to_dead
+        self.stall_timeout = stall_timeout
+        self.probe = probe or ServerProbe(min(PROBE_TIMEOUT, stall_timeout))
+        self._clock = clock or time.monotonic
         self.stopped = threading.Event()
+        self._pool = None
+        self._misses, self._heard, self._seen, self._told = {}, {}, set(), set()
 
     def watch(self):
-        misses, seen, told = {}, set(), set()
-        while not self.stopped.wait(self.interval):
-            run = self.current_run()
-            if run is None or run.finished.is_set():
-                continue
-            for rank, status in enumerate(list(run.members.status)):
+        try:
+            while not self.stopped.wait(self.interval):
+                self.poll()
+        finally:
+            self.close()
+
+    def close(self):
+        """Stops the probing threads and closes the probe's sessions."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.probe.close()
+
+    def _answers(self, run, ranks):
+        """`{rank: answer}`, the workers probed at once: a stalled one, which takes the
+        probe's whole deadline, must not delay noticing the others."""
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=_PROBE_THREADS, thread_name_prefix="tfdist-probe")
+        spec = run.spec
+        return dict(zip(ranks, self._pool.map(
+            lambda r: self.probe(spec.worker_addresses[r], spec.worker_tasks[r]), ranks)))
+
+    def poll(self):
+        """Probes the workers of the current run once; tells the run of the dead ones."""
+        run = self.current_run()
+        if run is None or run.finished.is_set():
+            return
+        statuses = list(run.members.status)
+        for rank, status in enumerate(statuses):
+            if status not in _IN_RUN:
                 key = (run.run, rank)
-                if status not in _IN_RUN:
-                    misses.pop(key, None)
-                    told.discard(key)
-                    continue
-                if probe(run.spec.worker_addresses[rank]):
-                    misses[key] = 0
-                    seen.add(key)
-                    continue
-                misses[key] = misses.get(key, 0) + 1
-                late = time.monotonic() - run.created > run.spec.init_timeout
-                if key not in told and (misses[key] >= self.misses_to_dead if (
-                        status == LIVE or key in seen) else late):
-                    told.add(key)
-                    try:
-                        run.send_control(protocol.DEAD, rank)
-                    except tf.errors.OpError:
-                        pass  # the run ended meanwhile
+                for table in (self._misses, self._heard):
+                    table.pop(key, None)
+                self._told.discard(key)
+        answers = self._answers(run, [r for r, s in enumerate(statuses) if s in _IN_RUN])
+        now = self._clock()
+        for rank, answer in answers.items():
+            key, status = (run.run, rank), statuses[rank]
+            address = run.spec.worker_addresses[rank]
+            if answer == ANSWERED:
+                self._misses[key] = 0
+                self._heard[key] = now
+                self._seen.add(key)
+                continue
+            heard = self._heard.setdefault(key, now)
+            if answer == GONE:
+                self._misses[key] = self._misses.get(key, 0) + 1
+            if key in self._told:
+                continue
+            if status == LIVE or key in self._seen:
+                dead = (self._misses.get(key, 0) >= self.misses_to_dead if answer == GONE
+                        else now - heard > self.stall_timeout)
+            else:
+                dead = now - run.created > run.spec.init_timeout
+            if not dead:
+                continue
+            self._told.add(key)
+            if answer == STALLED:
+                stall = (f"no answer for {now - heard:.0f} s, stall_timeout="
+                         f"{self.stall_timeout:g} s; {self.probe.errors.get(address, '')}")
+                run.stalls[rank] = stall
+                log.warning("tfdist: %s at %s stopped answering (%s): treated as dead",
+                            run.spec.worker_tasks[rank], address, stall)
+            try:
+                run.send_control(protocol.DEAD, rank)
+            except tf.errors.OpError:
+                pass  # the run ended meanwhile

@@ -29,6 +29,7 @@ import tensorflow as tf
 from tfdist import compression as compression_lib
 from tfdist.ps import protocol
 from tfdist.ps import wire
+from tfdist.ps.membership import DEFAULT_STALL_TIMEOUT
 from tfdist.ps.membership import BadControlMessage
 from tfdist.ps.membership import LivenessWatcher
 from tfdist.ps.membership import Membership
@@ -65,6 +66,7 @@ class ShardRun:
         self.failure = None
         self.finished = threading.Event()
         self.created = time.monotonic()
+        self.stalls = {}  # rank: how long a worker the watcher found dead did not answer
         self.push_dtypes = shard_push_dtypes(protocol.ShardLayout(spec.variables),
                                              compression_lib.get(spec.compression))
         self.push_queue = protocol.open_push_queue(self.device, run, self.push_dtypes)
@@ -198,7 +200,9 @@ class ShardRun:
         """Worker `rank` died (`was` LIVE) or never joined: the run fails under hard sync,
         else goes on without it."""
         task = f"{self.spec.worker_tasks[rank]} at {self.spec.worker_addresses[rank]}"
-        what = (f"{task} died" if was == LIVE else
+        stall = self.stalls.pop(rank, None)
+        what = (f"{task} stopped answering ({stall})" if stall is not None and was == LIVE
+                else f"{task} died" if was == LIVE else
                 f"{task} never joined the run (its server did not answer within "
                 f"init_timeout={self.spec.init_timeout:g} s)")
         if self.policy.fails_on_dead_worker:
@@ -274,15 +278,17 @@ class PSService:
     Args:
       config: the ps task's `ClusterConfig`.
       liveness_interval: seconds between probes of the workers' servers.
-      misses_to_dead: failed probes in a row after which a worker is dead.
+      misses_to_dead: probes in a row finding nothing listening after which a worker is dead.
+      stall_timeout: seconds without an answer after which a worker whose port accepts
+        connections (a stopped process, a hung machine) is dead.
       imports: the modules the ps task's command line named (`--ps_import`): with Keras's
         own, the only ones a worker's spec may ask it to import (`refused_import`).
       device: where its queues and runs live (None: the ps task's CPU; a test in one
         process passes its local CPU).
     """
 
-    def __init__(self, config, liveness_interval=0.5, misses_to_dead=4, imports=(),
-                 device=None):
+    def __init__(self, config, liveness_interval=0.5, misses_to_dead=4,
+                 stall_timeout=DEFAULT_STALL_TIMEOUT, imports=(), device=None):
         self.config = config
         self.imports = tuple(imports)
         self.task = f"/job:ps/task:{config.task_index}"
@@ -298,7 +304,7 @@ class PSService:
                 container=protocol.CONTAINER, shared_name=protocol.CONTROL_QUEUE)
             self.hello_queues = {}
         self.watcher = LivenessWatcher(lambda: self.current, liveness_interval,
-                                       misses_to_dead)
+                                       misses_to_dead, stall_timeout)
         self._threads = [threading.Thread(target=self._serve_control, name="tfdist-control",
                                           daemon=True),
                          threading.Thread(target=self.watcher.watch, name="tfdist-watch",

@@ -1,0 +1,240 @@
+"""Liveness: a probe that sees a stopped process, and the watcher that acts on it.
+
+`ServerProbeTest` probes a real TensorFlow server in a child process, started as a tfdist
+training task starts its own (its eager context connected to a cluster), whose main thread
+computes in Python the whole time: it answers; stopped with SIGSTOP it does not (its port
+still accepts connections), and a probe returns by its deadline; resumed it answers again;
+restarted on the same port it answers; killed, nothing listens. Cost: two child processes,
+one after the other (about 5 s each on an idle 2-core machine, most of it importing
+TensorFlow; 40 s at nice 19 on a loaded one, load average 7-15).
+
+`LivenessWatcherTest` drives the watcher's rounds with a scripted probe and clock, in
+milliseconds.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import types
+
+import tensorflow as tf
+
+from tfdist.cluster import pick_free_ports
+from tfdist.ps import protocol
+from tfdist.ps.membership import ANSWERED
+from tfdist.ps.membership import GONE
+from tfdist.ps.membership import STALLED
+from tfdist.ps.membership import LivenessWatcher
+from tfdist.ps.membership import Membership
+from tfdist.ps.membership import ServerProbe
+from tfdist.ps.protocol import EXPECTED
+from tfdist.ps.protocol import LIVE
+
+TASK = "/job:chief/task:0"
+
+# A training task's server: started through the process's eager context, as
+# `tfdist.ps.connection.PSConnection` starts a worker's; then the main thread holds the GIL
+# in a Python loop until its deadline.
+CHILD = textwrap.dedent("""
+    import sys, time
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    tf.config.experimental_connect_to_cluster(
+        tf.train.ClusterSpec({"chief": {0: sys.argv[1]}}), job_name="chief", task_index=0,
+        make_master_device_default=False)
+    context.context().ensure_initialized()
+    print("ready", flush=True)
+    deadline = time.monotonic() + float(sys.argv[2])
+    count = 0
+    while time.monotonic() < deadline:
+        count += 1
+""")
+
+# Seconds a child may take to start (importing TensorFlow on a loaded machine), and a bound
+# against a hung probe far above its deadline.
+START_TIMEOUT = 120
+HANG_BOUND = 30
+
+
+class ServerProbeTest(tf.test.TestCase):
+
+    def start_child(self, address):
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, address, str(START_TIMEOUT + 60)],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+
+        def reap():
+            if child.poll() is None:
+                os.kill(child.pid, signal.SIGCONT)
+                child.kill()
+            child.wait()
+            child.stdout.close()
+
+        self.addCleanup(reap)
+        ready = threading.Event()
+        threading.Thread(target=lambda: child.stdout.readline() == "ready\n" and ready.set(),
+                         daemon=True).start()
+        self.assertTrue(ready.wait(START_TIMEOUT), f"the child server at {address} never "
+                        f"started (exit code {child.poll()})")
+        return child
+
+    def timed(self, probe, address):
+        start = time.monotonic()
+        answer = probe(address, TASK)
+        return answer, time.monotonic() - start
+
+    def test_a_busy_server_answers_a_stopped_one_stalls_a_killed_one_is_gone(self):
+        address = f"localhost:{pick_free_ports(1)[0]}"
+        probe = ServerProbe(timeout=1.0)
+        self.addCleanup(probe.close)
+        child = self.start_child(address)
+        self.assertEqual(probe(address, TASK), ANSWERED)  # creates a session there
+        self.assertEqual(probe(address, TASK), ANSWERED)  # asks that session
+
+        os.kill(child.pid, signal.SIGSTOP)
+        for _ in range(2):
+            answer, took = self.timed(probe, address)
+            self.assertEqual(answer, STALLED)
+            self.assertLess(took, HANG_BOUND)
+        self.assertIn("DeadlineExceeded", probe.errors[address])
+        os.kill(child.pid, signal.SIGCONT)
+        self.assertEqual(probe(address, TASK), ANSWERED)
+        self.assertNotIn(address, probe.errors)
+
+        # Killed and restarted on the same address between two probes: the new process does
+        # not know the session the probe kept; it says so, and that is an answer. The next
+        # probe creates a session there.
+        child.kill()
+        child.wait()
+        child = self.start_child(address)
+        self.assertEqual(probe(address, TASK), ANSWERED)
+        self.assertEqual(probe(address, TASK), ANSWERED)
+
+        child.kill()
+        child.wait()
+        answer, took = self.timed(probe, address)
+        self.assertEqual(answer, GONE)
+        self.assertLess(took, HANG_BOUND)
+
+    def test_timeout_is_checked(self):
+        with self.assertRaisesRegex(ValueError, "`timeout` must be a positive number"):
+            ServerProbe(timeout=0)
+
+
+class ScriptedProbe:
+    """Answers what `answers[address]` says (default ANSWERED); a probe of an address in
+    `meet` first waits at that barrier."""
+
+    def __init__(self):
+        self.answers, self.errors, self.meet = {}, {}, {}
+
+    def __call__(self, address, task):
+        if address in self.meet:
+            self.meet[address].wait()
+        return self.answers.get(address, ANSWERED)
+
+    def close(self):
+        pass
+
+
+class FakeRun:
+
+    def __init__(self, statuses, init_timeout=100.0):
+        n = len(statuses)
+        self.run, self.created, self.finished = "r1", 0.0, threading.Event()
+        self.spec = types.SimpleNamespace(
+            worker_addresses=[f"host:{i}" for i in range(n)],
+            worker_tasks=[f"/job:worker/task:{i}" for i in range(n)],
+            init_timeout=init_timeout)
+        self.members = Membership(n, threading.Lock())
+        self.members.status[:] = statuses
+        self.told, self.stalls = [], {}
+
+    def send_control(self, kind, rank):
+        self.told.append((kind, rank))
+
+
+class LivenessWatcherTest(tf.test.TestCase):
+
+    def watcher(self, run, stall_timeout=30.0, misses_to_dead=4):
+        self.now = 0.0
+        self.probe = ScriptedProbe()
+        watcher = LivenessWatcher(lambda: run, interval=0.5, misses_to_dead=misses_to_dead,
+                                  stall_timeout=stall_timeout, probe=self.probe,
+                                  clock=lambda: self.now)
+        self.addCleanup(watcher.close)
+        return watcher
+
+    def poll_until(self, watcher, until, step=0.5):
+        while self.now < until:
+            watcher.poll()
+            self.now += step
+
+    def test_a_stalled_worker_dies_after_stall_timeout_a_slow_one_never(self):
+        run = FakeRun([LIVE, LIVE])
+        watcher = self.watcher(run, stall_timeout=30.0)
+        self.poll_until(watcher, 10.0)
+        self.probe.answers["host:1"] = STALLED  # stopped at t=10 s
+        self.poll_until(watcher, 39.5)
+        self.assertEqual(run.told, [])  # 29.5 s without an answer: not yet
+        self.poll_until(watcher, 41.0)
+        self.assertEqual(run.told, [(protocol.DEAD, 1)])
+        self.assertRegex(run.stalls[1], r"no answer for 3\d s, stall_timeout=30 s")
+        self.poll_until(watcher, 100.0)
+        self.assertEqual(run.told, [(protocol.DEAD, 1)])  # told once
+
+    def test_a_worker_that_answers_within_stall_timeout_stays(self):
+        run = FakeRun([LIVE])
+        watcher = self.watcher(run, stall_timeout=30.0)
+        for _ in range(5):  # answers once every 25 s (a slow machine): never cut off
+            self.probe.answers["host:0"] = STALLED
+            self.poll_until(watcher, self.now + 25.0)
+            self.probe.answers["host:0"] = ANSWERED
+            self.poll_until(watcher, self.now + 0.5)
+        self.assertEqual(run.told, [])
+
+    def test_a_killed_worker_dies_after_misses_to_dead_probes(self):
+        run = FakeRun([LIVE, LIVE])
+        watcher = self.watcher(run, stall_timeout=30.0, misses_to_dead=4)
+        self.poll_until(watcher, 1.0)
+        self.probe.answers["host:0"] = GONE
+        self.poll_until(watcher, self.now + 1.5)  # 3 misses
+        self.assertEqual(run.told, [])
+        self.poll_until(watcher, self.now + 0.5)
+        self.assertEqual(run.told, [(protocol.DEAD, 0)])
+        self.assertEqual(run.stalls, {})  # killed: it "died"
+
+    def test_a_worker_never_seen_dies_after_init_timeout(self):
+        run = FakeRun([LIVE, EXPECTED], init_timeout=100.0)
+        watcher = self.watcher(run, stall_timeout=30.0)
+        self.probe.answers["host:1"] = STALLED
+        self.poll_until(watcher, 99.5)
+        self.assertEqual(run.told, [])
+        self.poll_until(watcher, 101.0)
+        self.assertEqual(run.told, [(protocol.DEAD, 1)])
+
+    def test_workers_are_probed_at_once(self):
+        # Each probe of a stalled worker takes the probe's whole deadline: one after the
+        # other, they would delay noticing the others. Here the probes of workers 0 and 1
+        # return only once both have started (a barrier, not a clock).
+        run = FakeRun([LIVE, LIVE, LIVE])
+        watcher = self.watcher(run, misses_to_dead=1)
+        barrier = threading.Barrier(2, timeout=HANG_BOUND)
+        self.probe.meet = {"host:0": barrier, "host:1": barrier}
+        self.probe.answers = {"host:0": STALLED, "host:1": STALLED, "host:2": GONE}
+        watcher.poll()
+        self.assertEqual(run.told, [(protocol.DEAD, 2)])
+
+    def test_stall_timeout_is_checked(self):
+        with self.assertRaisesRegex(ValueError, "`stall_timeout` must be a positive"):
+            LivenessWatcher(lambda: None, 0.5, 4, stall_timeout=-1)
+
+
+if __name__ == "__main__":
+    tf.test.main()
