@@ -517,11 +517,18 @@ def plot_embedding(result, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (rate_ax, memory_ax) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (rate_ax, memory_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    # A line style per system, a colour per cluster shape (workers, ps).
+    styles = {"async": "-", "hard_sync": "--", "peer": ":", "one_process": "-."}
+    shapes = sorted({(c["workers"], c["ps"]) for c in result["cells"]})
     for (label, workers, num_ps), cells in _embedding_series(result).items():
-        if all(c["system"] == "one_process_global" for c in cells):
+        system = cells[0]["system"]
+        if system not in styles:
             continue  # accuracy only
         name = label if label.startswith("one process") else f"{label}, {workers} w, {num_ps} ps"
+        look = {"linestyle": styles[system],
+                "color": "black" if system == "one_process"
+                else f"C{shapes.index((workers, num_ps))}"}
         for ax, key, scale in ((rate_ax, "examples_per_second", 1.0),
                                (memory_ax, "worker_peak_bytes", 1 / 2**20)):
             points = [(c["rows"], c[key]) for c in cells if c.get(key)]
@@ -531,7 +538,7 @@ def plot_embedding(result, path):
             y = [scale * f["median"] for _, f in points]
             error = [[scale * (f["median"] - f["min"]) for _, f in points],
                      [scale * (f["max"] - f["median"]) for _, f in points]]
-            ax.errorbar(x, y, yerr=error, marker="o", capsize=3, label=name)
+            ax.errorbar(x, y, yerr=error, marker="o", capsize=3, label=name, **look)
     for ax, ylabel in ((rate_ax, "examples / s (all workers)"),
                        (memory_ax, "peak resident memory of a worker (MiB)")):
         ax.set_xscale("log")
@@ -539,7 +546,7 @@ def plot_embedding(result, path):
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3, which="both")
     rate_ax.set_yscale("log")
-    rate_ax.legend(fontsize=7)
+    memory_ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.suptitle("Embedding tables: rate and worker memory against V")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
