@@ -19,6 +19,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist._args import check_int
+
 SCALARS = ("dropped_gradients", "aggregated_gradients", "staleness_mean", "staleness_max")
 
 
@@ -37,10 +39,8 @@ class TelemetryCallback(keras.callbacks.Callback):
         if not hasattr(strategy, "progress"):
             raise ValueError(f"`strategy` must be a tfdist parameter-server strategy (with "
                              f"`progress()`). Received: {type(strategy).__name__}")
-        if every_n_batches is not None and (not isinstance(every_n_batches, int)
-                                            or every_n_batches < 1):
-            raise ValueError(f"`every_n_batches` must be None or an integer >= 1. Received: "
-                             f"{every_n_batches!r}")
+        check_int("every_n_batches", every_n_batches, "None or an integer >= 1", low=1,
+                  allow_none=True)
         if importlib.util.find_spec("tensorboard") is None:
             raise ImportError("TelemetryCallback writes TensorBoard summaries and needs the "
                               "`tensorboard` package: pip install tensorboard")
