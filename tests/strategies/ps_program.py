@@ -36,7 +36,7 @@ flags.DEFINE_integer("epochs", 3, "Epochs.")
 flags.DEFINE_enum("optimizer", "sgd", ["sgd", "momentum", "adam", "adamw", "loss_scale"],
                   "Optimizer. momentum: with `loss_scale_factor=8` (the loss scaled, the "
                   "gradients unscaled once); adamw: weight decay but not on biases, and a "
-                  "kernel constraint on the first layer; loss_scale: SGD in a dynamic "
+                  "kernel constraint on the first layer; loss_scale: Adam in a dynamic "
                   "LossScaleOptimizer.")
 flags.DEFINE_enum("model", "mlp", ["mlp", "embedding"],
                   "mlp: 8-16-2; embedding: each feature bucketed into one of 48 ids, an "
@@ -98,7 +98,7 @@ def build_model(optimizer, steps_per_execution=1, model="mlp"):
                   "adam": lambda: keras.optimizers.Adam(0.01),
                   "adamw": adamw,
                   "loss_scale": lambda: keras.optimizers.LossScaleOptimizer(
-                      keras.optimizers.SGD(0.1), initial_scale=2.0 ** 4, dynamic_growth_steps=2)}
+                      keras.optimizers.Adam(0.01), initial_scale=2.0 ** 4, dynamic_growth_steps=2)}
     model.compile(optimizer=optimizers[optimizer](), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"], steps_per_execution=steps_per_execution)
     return model
