@@ -253,6 +253,18 @@ class TableRuleTest(tf.test.TestCase):
         table_set.TableRule("auto").check_patterns()
         table_set.TableRule(None).check_patterns()
 
+    def test_the_paths_kept_for_the_error_stay_bounded_over_many_models(self):
+        # A scope that builds many models (a search loop) does not grow the rule's memory;
+        # the error lists the first paths, then "...".
+        rule = table_set.TableRule(["*/missing/*"])
+        for model in range(1000):
+            for layer in range(3):
+                rule.matches(f"model_{model}/dense_{layer}/kernel", None, [4, 4], "float32",
+                             True)
+        self.assertLen(rule._candidates, table_set._SHOWN + 1)
+        with self.assertRaisesRegex(ValueError, r"'model_3/dense_0/kernel', '\.\.\.'\]"):
+            rule.check_patterns()
+
 
 if __name__ == "__main__":
     tf.test.main()

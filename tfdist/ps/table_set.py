@@ -24,6 +24,7 @@ from tfdist.ps.variables import Part
 
 AUTO = "auto"
 UPDATES = ("lazy", "dense")
+_SHOWN = 10  # candidate paths an unmatched pattern's error lists
 
 
 class TableRule:
@@ -55,7 +56,9 @@ class TableRule:
         self.embedding_tables = embedding_tables
         self.updates = embedding_updates
         self._matched = set()    # the patterns that matched a variable
-        self._candidates = []    # the paths of the variables a pattern could have matched
+        # The first paths of the variables a pattern could have matched (for the error; kept
+        # bounded: a scope may build many models).
+        self._candidates = {}
 
     def __bool__(self):
         return self.embedding_tables is not None
@@ -73,7 +76,8 @@ class TableRule:
             return False
         if self.embedding_tables == AUTO:
             return isinstance(layer, keras.layers.Embedding) and path.endswith("/embeddings")
-        self._candidates.append(path)
+        if len(self._candidates) <= _SHOWN:
+            self._candidates[path] = None
         matched = {p for p in self.embedding_tables if fnmatch.fnmatchcase(path, p)}
         self._matched |= matched
         return bool(matched)
@@ -86,7 +90,8 @@ class TableRule:
             return
         unmatched = [p for p in self.embedding_tables if p not in self._matched]
         if unmatched:
-            shown = self._candidates[:10] + (["..."] if len(self._candidates) > 10 else [])
+            shown = list(self._candidates)[:_SHOWN] + (
+                ["..."] if len(self._candidates) > _SHOWN else [])
             raise ValueError(
                 f"`embedding_tables` patterns {unmatched} match no variable of the model. "
                 "A pattern (`fnmatch`, where `*` also matches `/`) names the Keras paths of "
