@@ -148,6 +148,28 @@ class TableVariableTest(tf.test.TestCase):
         self.assertEmpty([op for op in graph.get_operations() if op.type == "GatherV2"
                           and op.inputs[0].shape.as_list() == [ROWS, WIDTH]])
 
+    def test_a_savedmodel_is_refused_with_the_route_that_works(self):
+        # `model.export` of a model whose table lives on the ps would otherwise end in TF's
+        # "untracked resource" assertion; the route the error gives (a Keras file, loaded
+        # without a strategy, exported) serves what the model predicts.
+        with tf.variable_creator_scope(_table_creator(((0, 12), (12, ROWS)))):
+            embedding = keras.layers.Embedding(ROWS, WIDTH)
+            embedding.build((None, 2))
+        ids_input = keras.Input((2,), dtype="int32")
+        model = keras.Model(ids_input, keras.layers.Dense(1)(
+            keras.layers.Flatten()(embedding(ids_input))))
+        ids = np.array([[1, 20], [20, 29]], np.int32)
+        want = model.predict(ids, verbose=0)
+        out = self.get_temp_dir()
+        with self.assertRaisesRegex(ValueError, r"(?s)embedding table model\d+/embeddings "
+                                                r"\(\[30, 4\]\) lives on the ps.*load_model"):
+            model.export(os.path.join(out, "refused"))
+        model.save(os.path.join(out, "model.keras"))
+        keras.models.load_model(os.path.join(out, "model.keras")).export(
+            os.path.join(out, "exported"), verbose=False)
+        exported = tf.saved_model.load(os.path.join(out, "exported"))
+        self.assertAllClose(exported.serve(ids), want)
+
     def test_a_whole_read_in_a_step_names_the_table(self):
         table, _ = _table()
 

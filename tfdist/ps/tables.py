@@ -374,6 +374,20 @@ class TableVariable(_tf_compat.BaseResourceVariable):
 
         return {"VARIABLE_VALUE": saveables}
 
+    def _export_to_saved_model_graph(self, object_map, tensor_map, options, **kwargs):
+        """A SavedModel (`model.export`, `tf.saved_model.save`) of a model whose tables live
+        on the ps tasks is refused with the route that works: its functions gather rows on
+        the ps devices and would carry the table's parts as variables of their own."""
+        del object_map, tensor_map, options, kwargs
+        raise ValueError(
+            f"the embedding table {self._tfdist_path} ({self.shape.as_list()}) lives on the "
+            "ps tasks: a SavedModel (`model.export`, `tf.saved_model.save`) cannot be made "
+            "from this model. On the chief, save it as a Keras file (the tables are read in "
+            "bounded chunks), load that file without a strategy and export the copy:\n"
+            "    model.save('model.keras')\n"
+            "    keras.models.load_model('model.keras').export('exported')\n"
+            "(or keep the tables on the workers: `embedding_tables=None` on the strategy)")
+
     def _refuse(self, *args, **kwargs):
         del args, kwargs
         raise ValueError(
