@@ -119,24 +119,28 @@ class AsyncTrainingTest(tf.test.TestCase):
                          sum(load_result(out, f"worker{r}.json")["pushes"] for r in range(3)))
 
     def test_wait_mode_keeps_workers_within_the_bound_of_the_slowest(self):
-        # SSP with delay compensation, on a model whose embedding table lives on the ps:
-        # each push also carries the rows its step read, and the ps compensates each row
-        # (the rule itself: tests/ps/updater_test.py).
+        # SSP with delay compensation, on a model whose embedding table lives on the ps
+        # tasks, split over 2: each push to each task also carries the rows its step read
+        # there, and each task compensates its rows (the rule itself:
+        # tests/ps/updater_test.py).
         out = self.get_temp_dir()
         bound = 1
         cluster, result = run_cluster(out, 3, "--strategy=async", "--model=embedding",
                                       f"--strategy_arg=max_staleness={bound}",
                                       "--strategy_arg=on_stale='wait'", "--epochs=3",
                                       "--strategy_arg=delay_compensation=0.5",
-                                      "--slow_rank=2", "--slow_delay=0.1")
+                                      "--slow_rank=2", "--slow_delay=0.1", num_ps=2)
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         chief = load_result(out, "worker0.json")
         self.assertLessEqual(chief["max_clock_gap"], bound)
         self.assertEqual(chief["dropped"], 0)
         pushes = sum(load_result(out, f"worker{r}.json")["pushes"] for r in range(3))
         self.assertEqual(chief["aggregated"], pushes)
-        self.assertEqual(chief["tables_pushed"], [1])
-        self.assertEqual(chief["tables_read_rows"], [[True]])  # pushes carry the rows read
+        self.assertEqual(chief["tables_pushed"], [1, 1])
+        self.assertEqual(chief["tables_read_rows"], [[True], [True]])  # and the rows read
+        split = [task["variables"].get("sequential/embedding/embeddings")
+                 for task in chief["placement"]]
+        self.assertEqual(sorted(split), [[0, 24], [24, 48]])
         self.assertLess(chief["history"]["loss"][-1], chief["history"]["loss"][0])
 
     def test_the_chief_waits_for_a_slower_worker_and_a_pause_is_not_death(self):
