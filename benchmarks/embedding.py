@@ -31,7 +31,10 @@ estimates below stand. Each process's peak resident memory is VmHWM of /proc/<pi
 polled by this launcher (tfdist, one process) or read by the peer's coordinator before it
 stops its servers; a run is stopped, and recorded as failed, when the machine's available
 memory falls under `--min_available_memory_gib` (tables mirrored on every worker grow each
-worker with V). The load average is recorded before and after each run. Runs are repeated
+worker with V). The load average is recorded before and after each run, and where the
+cores' time went over each window (machine-wide, `machine.cpu_counters`: busy, idle, time
+stolen by the hypervisor, context switches, delayed TCP acknowledgements in the run's
+network namespace) is kept with each run as `cores` and printed beside its rate. Runs are repeated
 `--repeats` times, interleaved (every cell once, then again), and each figure is kept as
 median, min and max.
 
@@ -259,6 +262,14 @@ def derive(figures):
            "ps_peak_bytes_each": ps,
            "loss": quality.get("loss"), "accuracy": quality.get("accuracy"),
            "quality_examples": quality.get("examples")}
+    # Where the cores' time went over the window (`machine.cpu_counters`), machine-wide.
+    out["cores"] = {name: rate.get(f"{key}_per_second") for name, key in (
+        ("busy", None), ("user", "cpu_user_seconds"), ("system", "cpu_system_seconds"),
+        ("idle", "cpu_idle_seconds"), ("steal", "cpu_steal_seconds"),
+        ("context_switches", "context_switches"), ("tcp_delayed_acks", "tcp_delayed_acks"))
+        if key}
+    if out["cores"]["user"] is not None:
+        out["cores"]["busy"] = out["cores"]["user"] + out["cores"]["system"]
     pushes = rate.get("pushes_per_second")
     if pushes:
         out["examples_per_second"] = pushes * FLAGS.batch_size
@@ -355,8 +366,13 @@ def main(argv):
                        "seconds": time.monotonic() - start, "raw": figures}
                 runs[((system, workers, num_ps), rows)].append(run)
                 rate = run["updates_per_second"]
+                cores = run["cores"]
                 shown = run["error"] or ((f"{rate:.1f} updates/s, " if rate else "")
-                                         + f"accuracy {run['accuracy']}")
+                                         + f"accuracy {run['accuracy']}"
+                                         + (f" (cores busy {cores['busy']:.2f}, steal "
+                                            f"{cores['steal']:.2f}, delayed acks "
+                                            f"{cores.get('tcp_delayed_acks') or 0:.0f}/s)"
+                                            if cores.get("busy") is not None else ""))
                 print(f"[{repeat + 1}/{FLAGS.repeats}] V={rows:,} {SYSTEMS[system]}, "
                       f"{workers} workers, {num_ps} ps: {shown}", flush=True)
                 # After every run: a run stopped later keeps what was measured so far

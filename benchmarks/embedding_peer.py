@@ -29,6 +29,7 @@ import numpy as np
 import tf_keras_peer
 from absl import app
 from absl import flags
+from machine import cpu_counters
 from machine import loopback_counters
 from machine import peak_resident_bytes
 
@@ -81,7 +82,8 @@ def _coordinate(cluster, servers):
     del local
 
     def loopback_bytes():
-        return {"loopback_tx_bytes": loopback_counters()["loopback_tx_bytes"]}
+        return {"loopback_tx_bytes": loopback_counters()["loopback_tx_bytes"],
+                **cpu_counters()}
 
     # A long epoch, as a user after throughput sets it: no wait for every step in the window.
     rate = tf_keras_peer.fit_and_measure(tf_keras, model, data, loopback_bytes,

@@ -35,6 +35,7 @@ import numpy as np
 import ps_worker
 from absl import app
 from absl import flags
+from machine import cpu_counters
 from machine import loopback_counters
 
 import tfdist
@@ -70,7 +71,7 @@ def _meet(names, who):
 
 
 def _loopback_bytes():
-    return {"loopback_tx_bytes": loopback_counters()["loopback_tx_bytes"]}
+    return {"loopback_tx_bytes": loopback_counters()["loopback_tx_bytes"], **cpu_counters()}
 
 
 def _strategy():

@@ -155,3 +155,41 @@ def loopback_counters(pid="self"):
             if name.strip() == "lo":
                 out["loopback_tx_bytes"] = int(counters.split()[8])
     return out
+
+
+_CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def cpu_counters():
+    """Machine-wide counters whose changes over a measurement window say where the cores'
+    time went (cumulative, as `ps_worker._measure`'s `counters()` takes them: each becomes
+    `<name>_per_second`): `cpu_<field>_seconds` of /proc/stat summed over the cores (user,
+    system, idle, iowait, steal: time the hypervisor gave another guest, ...), its context
+    switches, the page faults of /proc/vmstat, and the delayed TCP acknowledgements of
+    this process's network namespace (/proc/net/netstat): a rate that drops with idle
+    cores, no steal and more delayed acks waits on the network stack, not on the CPU."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out = {}
+    with open("/proc/stat") as f:
+        for line in f:
+            fields = line.split()
+            if fields[0] == "cpu":
+                for name, value in zip(_CPU_FIELDS, fields[1:]):
+                    out[f"cpu_{name}_seconds"] = int(value) / ticks
+            elif fields[0] == "ctxt":
+                out["context_switches"] = int(fields[1])
+    with open("/proc/vmstat") as f:
+        for line in f:
+            name, _, value = line.partition(" ")
+            if name in ("pgfault", "pgmajfault"):
+                out[{"pgfault": "page_faults", "pgmajfault": "major_page_faults"}[name]] = \
+                    int(value)
+    try:
+        with open("/proc/self/net/netstat") as f:
+            lines = [line.split() for line in f if line.startswith("TcpExt:")]
+        if len(lines) == 2:
+            tcp = dict(zip(lines[0][1:], lines[1][1:]))
+            out["tcp_delayed_acks"] = int(tcp.get("DelayedACKs", 0))
+    except FileNotFoundError:
+        pass
+    return out
