@@ -10,7 +10,9 @@ from tfdist.launch import LocalCluster
 PROGRAM = os.path.join(os.path.dirname(__file__), "ps_program.py")
 USERS_MODEL = os.path.join(os.path.dirname(__file__), "ps_users_model.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-RUN_TIMEOUT = 180
+# A bound against a hang, counted from the cluster's start: on loaded cores (a load of 15
+# on the 2 cores) five tasks took 130 s to start TensorFlow before a run of 40 s.
+RUN_TIMEOUT = 300
 
 
 def make_cluster(out_dir, num_workers, *flags, **kwargs):
