@@ -167,6 +167,9 @@ class ModelAveragingTest(tf.test.TestCase, parameterized.TestCase):
         parts = [task["variables"].get("sequential/embedding/embeddings")
                  for task in chief["placement"]]
         self.assertEqual(parts, [[0, 24], [24, 48]])
+        self.assertEqual({path for task in chief["placement"] for path in task["variables"]},
+                         {"sequential/embedding/embeddings", "sequential/dense/kernel",
+                          "sequential/dense/bias"})  # no worker's own state
         # The rows each worker's last round of an epoch pushed: those its steps looked up
         # (steps 1-3, then 4-6; the second epoch starts the shard again).
         batch = ps_program.BATCH

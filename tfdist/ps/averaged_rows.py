@@ -111,9 +111,10 @@ class ChangedRows:
         optimizer slot of one, which shares its table's changed rows."""
         variable._tfdist_rows_table = variable if table is None else table
         if table is None:
+            # (Made under the strategy's scope: the dtype, given, keeps it a local variable.)
             with tf.init_scope(), tf.device(self.host_device):
                 self._masks[id(variable)] = tf.Variable(
-                    tf.zeros([variable.shape[0]], tf.bool), trainable=False,
+                    tf.zeros([variable.shape[0]], tf.bool), dtype=tf.bool, trainable=False,
                     name="tfdist_changed_rows")
         self.tables.append(variable)
 
