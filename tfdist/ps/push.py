@@ -482,6 +482,8 @@ class ModelPush(Push):
         steps on the model. A table the user named (`embedding_tables=[...]`) is refused
         otherwise; one "auto" found goes back to being averaged whole, with a warning."""
         rule = self.engine._tables.rule
+        if self.optimizer is None:
+            return  # nothing trains: no row changes
         for variable in [t for t in self.rows.tables if t._tfdist_rows_table is t]:
             keras_variable = keras_variable_of(self.optimizer, variable)
             why = (None if keras_variable is None else

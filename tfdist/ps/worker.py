@@ -315,8 +315,9 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         optimizer's slots; a table kept on the ps tasks and its slots count where their rows
         are) and `bytes_pushed` (what one push of a worker carries there; for an embedding
         mirrored and pushed as rows, its whole size: the most a push can carry; a table's
-        rows are not counted: a push carries the rows its step touched, 8 bytes of index
-        and the row's values each)."""
+        rows are not counted, nor those of a table model averaging averages by rows: a push
+        carries the rows its step (round) touched, 8 bytes of index and the row's values
+        each)."""
         if self._clients is None:
             raise ValueError("the masters are placed when the first training step starts")
         out = [{"task": name, "variables": {}, "bytes_held": 0, "bytes_pushed": 0}
