@@ -110,5 +110,14 @@ class RowsExactTest(tf.test.TestCase, parameterized.TestCase):
         moved = any(np.any(a[untouched] != b[untouched]) for a, b in zip(before, after))
         self.assertEqual(moved, why is not None)
 
+    def test_a_constraint_on_the_table_moves_every_row(self):
+        table = keras.layers.Embedding(6, 2, embeddings_constraint="max_norm")
+        table.build()
+        table = table.embeddings
+        optimizer = keras.optimizers.SGD(0.1)
+        optimizer.build([table])
+        self.assertRegex(rows_exact(optimizer, table, False), "constraint is applied to every")
+
+
 if __name__ == "__main__":
     tf.test.main()

@@ -17,8 +17,9 @@ named by `embedding_tables` (role `rows`) is averaged by rows:
 When every worker starts the round from the master copy this is the whole-table average, to
 the rounding of a sum's order (bit for bit with two workers). It holds when a row that a
 step's gradient does not touch keeps its value: the local optimizer is plain SGD, Adagrad,
-RMSprop or Adadelta without momentum and weight decay on the table (`rows_exact`); momentum,
-Adam and weight decay move every row they ever touched, every step.
+RMSprop or Adadelta without momentum and weight decay on the table, and the table has no
+constraint (`rows_exact`); momentum, Adam and weight decay move every row they ever touched,
+every step, and a constraint every row.
 
 A worker whose push came too late for its round (N of M) is dropped and sent every row
 changed since the weights it pushed from (the ps keeps, per row, the round that last
@@ -84,6 +85,8 @@ def rows_exact(optimizer, table, averaged_state):
     momentum = _MOMENTUM.get(name)
     if momentum and getattr(inner, momentum, 0):
         return f"{name} with {momentum}={getattr(inner, momentum)} moves every row it ever touched"
+    if getattr(table, "constraint", None) is not None:
+        return "its constraint is applied to every row at every step"
     if getattr(inner, "weight_decay", None) and _tf_compat.keras_optimizer_decays(inner, table):
         return f"{name}'s weight decay moves every row at every step"
     if averaged_state and not _ROW_LOCAL[name]:

@@ -74,7 +74,8 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
         table's average. That holds when a row without gradient keeps its value: the local
         optimizer is SGD without momentum, Adagrad, RMSprop or Adadelta without momentum
         (SGD or Adagrad with `optimizer_state="averaged"`: their slots are averaged by the
-        same rows), without weight decay on the table, and there is no `outer_optimizer`.
+        same rows), without weight decay or a constraint on the table, and there is no
+        `outer_optimizer`.
         Otherwise a table "auto" found is averaged whole, with a warning, and a table a
         pattern names is an error that says why. With `compression`, the rest of the model
         is compressed and the rows travel as they are.
