@@ -1,7 +1,7 @@
 """The ps update graph in one process, against numpy: collect (N of M, stale pushes dropped,
 counted), apply (the user's optimizer once per update, on the mean), staleness and its
 learning-rate factor, SSP's wait and release, DC-ASGD (per row for a table), pushed state,
-model averaging.
+model averaging (a table by the rows a round changed).
 
 The graph runs on queues and variables created here, on the local CPU, as the ps service
 opens them on its task: no cluster.
@@ -366,6 +366,90 @@ class TableTest(tf.test.TestCase):
         want[5] -= lr * np.array([1.0, 1.0])
         self.assertAllClose(shard.value("e/embeddings"), want, rtol=1e-6)
         self.assertAllClose(shard.value("d/w"), self.w0)
+
+
+class RowsAveragingTest(tf.test.TestCase):
+    """Model averaging of a table by the rows a round changed (`tfdist.ps.averaged_rows`): a
+    push carries the rows its worker changed, the reply the rows the round changed."""
+
+    def shard(self, policy, num_workers=2):
+        self.table0 = np.arange(12, dtype=np.float32).reshape(6, 2) / 7
+        self.w0 = np.array([1.0, 2.0], np.float32)
+        shard = Shard([entry("d/w", [2], role="average"),
+                       entry("e/embeddings", [6, 2], role="rows")], policy,
+                      {"d/w": self.w0, "e/embeddings": self.table0}, num_workers=num_workers)
+        self.layout = protocol.ShardLayout(shard.spec.variables)
+        return shard
+
+    def reply(self, shard, rank):
+        """`(token, dense values, {row: values})` of each reply to worker `rank`."""
+        out = []
+        for token, _, values in shard.replies(rank):
+            (ids, rows), = self.layout.reply_rows(tf.constant(values))
+            rows = rows.numpy().reshape(-1, 2)
+            out.append((token, values[:self.layout.reply_size],
+                        {int(i): r for i, r in zip(ids.numpy(), rows)}))
+        return out
+
+    def test_rows_average_equals_the_whole_table_average_and_only_changed_rows_travel(self):
+        shard = self.shard(AveragingPolicy(2, 2))
+        # Both workers started the round from the master; each changed some rows (row 3
+        # both).
+        local = [self.table0.copy(), self.table0.copy()]
+        local[0][[1, 3]] += [[0.3, 0.1], [0.5, -0.2]]
+        local[1][[3, 4]] += [[-0.1, 0.7], [0.25, 0.25]]
+        shard.push(0, 0, [1.0, 1.0], rows=[([1, 3], local[0][[1, 3]])])
+        shard.push(0, 1, [3.0, 5.0], rows=[([3, 4], local[1][[3, 4]])])
+        shard.serve(required=2)
+        # Bit for bit the mean of the two whole tables (two workers: a sum's order does
+        # not round), the dense part averaged as before.
+        self.assertAllEqual(shard.value("e/embeddings"), (local[0] + local[1]) / 2)
+        self.assertAllEqual(shard.value("d/w"), [2.0, 3.0])
+        for rank in range(2):
+            (token, values, rows), = self.reply(shard, rank)
+            self.assertEqual(token, 1)
+            self.assertAllEqual(values, [2.0, 3.0])
+            self.assertEqual(sorted(rows), [1, 3, 4])  # the rows the round changed only
+            for row, value in rows.items():
+                self.assertAllEqual(value, shard.value("e/embeddings")[row])
+
+    def test_three_workers_a_row_nobody_else_touched_counts_their_master_value(self):
+        shard = self.shard(AveragingPolicy(3, 3), num_workers=3)
+        local = [self.table0.copy() for _ in range(3)]
+        local[0][2] += [3.0, -3.0]
+        local[2][[2, 5]] += [[1.0, 1.0], [0.6, 0.3]]
+        shard.push(0, 0, [0.0, 0.0], rows=[([2], local[0][[2]])])
+        shard.push(0, 1, [0.0, 0.0], rows=[([], np.zeros([0, 2]))])  # touched nothing
+        shard.push(0, 2, [0.0, 0.0], rows=[([5, 2], local[2][[5, 2]])])
+        shard.serve(required=3)
+        self.assertAllClose(shard.value("e/embeddings"), np.mean(local, axis=0), rtol=1e-6)
+        (_, _, rows), = self.reply(shard, 1)
+        self.assertEqual(sorted(rows), [2, 5])
+
+    def test_a_dropped_worker_takes_every_row_changed_since_its_weights_and_its_own(self):
+        # One of two per round: worker 0 makes rounds 1 and 2 alone (rows 1, then 2); worker
+        # 1's push from step 0 (row 5 changed) is dropped. Its reply carries rows 1 and 2 (it
+        # missed them) and row 5 at the master's value (its own change is dropped).
+        shard = self.shard(AveragingPolicy(1, 2))
+        changed = self.table0.copy()
+        changed[[1, 2]] += 1.0
+        shard.push(0, 0, self.w0, rows=[([1], changed[[1]])])
+        shard.push(1, 0, self.w0, rows=[([2], changed[[2]])])
+        shard.push(0, 1, self.w0 + 1, rows=[([5], self.table0[[5]] + 9.0)])
+        shard.serve(required=1)
+        self.assertAllEqual(shard.value("e/embeddings"), changed)
+        self.assertEqual([sorted(rows) for _, _, rows in self.reply(shard, 0)], [[1], [2]])
+        (token, values, rows), = self.reply(shard, 1)
+        self.assertEqual(token, 2)
+        self.assertAllEqual(values, self.w0)
+        self.assertEqual(sorted(rows), [1, 2, 5])
+        for row, value in rows.items():
+            self.assertAllEqual(value, changed[row])
+        self.assertEqual(shard.progress_dict()["dropped_gradients"], 1)
+        # A worker (re)joining is sent no row: it copies the master tables itself.
+        shard.graph.release_one(tf.constant(1))
+        (_, _, rows), = self.reply(shard, 1)
+        self.assertEqual(rows, {})
 
 
 class ClientPackTest(tf.test.TestCase):

@@ -42,15 +42,15 @@ def outer_state(path):
         return [np.array(group[str(i)]) for i in range(len(group))]
 
 
-def averaging_reference(out, period, epochs, outer_optimizer=None):
-    """Two models trained apart on the workers' shards, averaged after every `period` steps
-    and at the end, with the learning rate halved each epoch as in `ps_program.py`. With an
-    outer optimizer (a Keras config), it applies each round's `master - mean` to the master,
-    which both models then take. Returns the final weights and the outer optimizer."""
-    x, y = ps_program.data()
+def averaging_reference(out, period, epochs, outer_optimizer=None, model="mlp"):
+    """Two models trained apart on the workers' shards, averaged (whole) after every `period`
+    steps and at the end, with the learning rate halved each epoch as in `ps_program.py`.
+    With an outer optimizer (a Keras config), it applies each round's `master - mean` to the
+    master, which both models then take. Returns the final weights and the outer optimizer."""
+    x, y = ps_program.data(model)
     half, batch = ps_program.ROWS // 2, ps_program.BATCH
     initial = [np.array(w, "float32") for w in load_result(out, "initial.json")["weights"]]
-    models = [ps_program.build_model("sgd") for _ in range(2)]
+    models = [ps_program.build_model("sgd", model=model) for _ in range(2)]
     for model in models:
         model.set_weights(initial)
     outer = None
@@ -144,6 +144,40 @@ class ModelAveragingTest(tf.test.TestCase, parameterized.TestCase):
         # The run ends when the workers have left; its updater records the end and stops.
         self.assertNotIn("failed", "\n".join(line for task, line in cluster.lines
                                               if task == "ps:0"))
+
+    def test_a_table_is_averaged_by_the_rows_a_round_changed(self):
+        # The embedding model (an Embedding(48, 4) table, split over 2 ps tasks) averaged by
+        # rows (`embedding_tables="auto"`), period 3: rounds after steps 3 and 6 of each
+        # worker's 8, and one for the last 2 steps when the workers join. The result is the
+        # whole-model average computed here (bit for bit the same as `embedding_tables=None`
+        # in a run of both, not repeated here); each round pushed only the rows its steps
+        # looked up.
+        out = self.get_temp_dir()
+        cluster, result = run_cluster(out, 2, "--strategy=model_averaging", "--model=embedding",
+                                      "--strategy_arg=period=3", "--epochs=2", num_ps=2)
+        self.assertEqual(result.returncode, 0, cluster_log(cluster))
+        chief, other = load_result(out, "worker0.json"), load_result(out, "worker1.json")
+        self.assertEqual((chief["updates"], chief["aggregated"]), (3, 6))  # join's round too
+        weights, _ = averaging_reference(out, 3, 2, model="embedding")
+        for got, want in zip(chief["weights"], weights):
+            self.assertAllClose(np.array(got), want, rtol=1e-5, atol=1e-6)
+        for a, b in zip(chief["local_weights"], other["local_weights"]):
+            self.assertAllEqual(a, b)
+        self.assertEqual(chief["evaluation"], other["evaluation"])  # the local copies agree
+        parts = [task["variables"].get("sequential/embedding/embeddings")
+                 for task in chief["placement"]]
+        self.assertEqual(parts, [[0, 24], [24, 48]])
+        self.assertEqual({path for task in chief["placement"] for path in task["variables"]},
+                         {"sequential/embedding/embeddings", "sequential/dense/kernel",
+                          "sequential/dense/bias"})  # no worker's own state
+        # The rows each worker's last round of an epoch pushed: those its steps looked up
+        # (steps 1-3, then 4-6; the second epoch starts the shard again).
+        batch = ps_program.BATCH
+        for rank, worker in enumerate((chief, other)):
+            x = ps_program.data("embedding")[0][rank * 64:(rank + 1) * 64]
+            rounds = [x[:3 * batch], np.concatenate([x[3 * batch:], x[:2 * batch]])]
+            self.assertEqual(worker["history"]["table_rows_pushed"],
+                             [len(np.unique(ids)) for ids in rounds])
 
     def test_compressed_rounds_send_model_changes(self):
         # Top-k changes with error feedback. (fp16 changes, on 2 ps tasks with a kernel split

@@ -25,6 +25,7 @@ from tfdist.ps.spec import AVERAGE
 from tfdist.ps.spec import GRADIENT
 from tfdist.ps.spec import OPTIMIZER  # noqa: F401  (the worker side's name for it)
 from tfdist.ps.spec import PUSHED_ROLES  # noqa: F401
+from tfdist.ps.spec import ROWS
 from tfdist.ps.spec import TABLE  # noqa: F401  (the worker side's name for it)
 from tfdist.ps.spec import VALUE
 from tfdist.ps.spec import entry_of
@@ -131,6 +132,10 @@ class ShardLayout:
         # Tables on this ps: a push carries the rows of each one's gradient after the
         # sparse gradients' rows; a reply never carries a table.
         self.tables = [e for e in entries if e.role == TABLE]
+        # Tables averaged by rows (model averaging): a push carries the rows its worker
+        # changed in the round, a reply the rows the round changed, after the values.
+        self.rows = [e for e in entries if e.role == ROWS]
+        self.row_widths = [_size(e.shape[1:]) for e in self.rows]
         self.main_sizes = [_size(e.shape) for e in self.main]
         self.value_sizes = [_size(e.shape) for e in self.values]
         self.main_size = int(sum(self.main_sizes))
@@ -142,8 +147,10 @@ class ShardLayout:
                        for offset, e in zip(offsets, self.main) if e.sparse]
         self.dense_sizes = [n for n, e in zip(self.main_sizes, self.main) if not e.sparse]
         # `(rows, flat row values)` pairs a push carries: sparse gradients', then tables'
-        # (each table's gradient rows, then, with `read_rows`, the rows its worker read).
-        self.num_row_pairs = len(self.sparse) + sum(1 + e.read_rows for e in self.tables)
+        # (each table's gradient rows, then, with `read_rows`, the rows its worker read), then
+        # the rows of each table averaged by rows.
+        self.num_row_pairs = (len(self.sparse) + sum(1 + e.read_rows for e in self.tables)
+                              + len(self.rows))
 
     def densify(self, dense, sparse):
         """The main vector of a push: `dense` (the other gradients, flat) with each sparse
@@ -174,10 +181,17 @@ class ShardLayout:
                 for part, e in zip(tf.split(flat, sizes), entries)]
 
     def split_reply(self, flat):
-        """`(main values, value values)` of a reply's flat vector, in each variable's dtype."""
-        main, values = tf.split(flat, [self.main_size, self.value_size])
+        """`(main values, value values)` of a reply's flat vector, in each variable's dtype
+        (the rows after them: `reply_rows`)."""
+        main, values, _ = tf.split(flat, [self.main_size, self.value_size, -1])
         return (self.unflatten(main, self.main, self.main_sizes),
                 self.unflatten(values, self.values, self.value_sizes))
+
+    def reply_rows(self, flat):
+        """`[(ids, flat row values)]` of each `rows` entry in a reply's flat vector."""
+        if not self.rows:
+            return []
+        return wire.split_rows_section(flat[self.reply_size:], self.row_widths)
 
 
 def _size(shape):

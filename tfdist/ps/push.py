@@ -23,6 +23,9 @@ from tfdist import _tf_compat
 from tfdist.compression import sparsify
 from tfdist.ps import placement
 from tfdist.ps import protocol
+from tfdist.ps.averaged_rows import ChangedRows
+from tfdist.ps.averaged_rows import keras_variable_of
+from tfdist.ps.averaged_rows import rows_exact
 from tfdist.ps.outer_optimizer import OuterOptimizer
 from tfdist.ps.rowwise import ROWWISE_OPTIMIZERS
 from tfdist.ps.rowwise import rowwise_optimizer
@@ -42,6 +45,7 @@ class Push(abc.ABC):
     mode = None       # the spec's name for it (the ps tasks' updater reads it)
     log_names = ()    # (the step counter's, the dropped pushes') names in the Keras logs
     keeps_tables = False  # embedding tables may live on the ps tasks only (`ps.tables`)
+    averages_rows = False  # embedding tables stay on the workers, averaged by rows
 
     def __init__(self):
         self.engine = None
@@ -97,6 +101,16 @@ class Push(abc.ABC):
     def on_reply(self, shard, values):
         """Updates to run when `shard`'s reply (its flat values) lands."""
         return []
+
+    def pushed_rows(self, shard):
+        """The `(ids, flat values)` pairs a push to `shard` carries last (tables averaged
+        by rows)."""
+        return []
+
+    def joined(self, copy_tables):
+        """Eagerly, once the worker took the masters' values (`copy_tables`: a run this
+        worker did not just initialise)."""
+        return None
 
     def before_leave(self):
         """What this worker pushes before it leaves the run (by default, nothing: each
@@ -326,6 +340,7 @@ class ModelPush(Push):
 
     mode = "averaging"
     log_names = ("averaging_round", "dropped_models")
+    averages_rows = True
 
     def __init__(self, period=1, average_optimizer_state=False, outer_optimizer=None):
         super().__init__()
@@ -333,6 +348,8 @@ class ModelPush(Push):
         self.average_optimizer_state = average_optimizer_state
         self.outer = None if outer_optimizer is None else OuterOptimizer(outer_optimizer)
         self._bases = {}  # with compression: each shard's model at the last average
+        # The tables averaged by rows (`tfdist.ps.averaged_rows`), and the rows each changed.
+        self.rows = ChangedRows()
 
     def attach(self, engine):
         super().attach(engine)
@@ -341,6 +358,9 @@ class ModelPush(Push):
                                             name="tfdist_local_steps")
             self._round_steps = tf.Variable(0, dtype=tf.int64, trainable=False,
                                             name="tfdist_round_steps")
+            self._rows_pushed = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                            name="tfdist_table_rows_pushed")
+        self.rows.host_device = engine._connection.host_device
 
     def role(self, kwargs, optimizer):
         if self.outer is not None:
@@ -359,6 +379,8 @@ class ModelPush(Push):
                 self.check_optimizer(self.optimizer, self._strategy_name())
                 if self.outer is not None:
                     self.outer.attach(self.optimizer)
+        if len(args) == 2:
+            self.rows.track(variable, args[0])  # (a table averaged by rows: its rows)
         step.trained = step.trained or len(args) == 2
         return True  # the worker trains its own copy
 
@@ -378,6 +400,7 @@ class ModelPush(Push):
         def model_part(part):
             return part.take(part.variable.read_value())
 
+        counted = self._rows_pushed.assign(self.rows.count(), read_value=False)
         if engine._codec is None:
             done = engine._exchange(model_part)
         else:
@@ -395,8 +418,8 @@ class ModelPush(Push):
                 return tf.reshape(tf.cast(model_part(part), tf.float32), [-1]) - base
 
             done = engine._exchange(change)
-        with tf.control_dependencies([done]):
-            return tf.group(self._round_steps.assign(0))
+        with tf.control_dependencies([done, counted]):
+            return tf.group(self._round_steps.assign(0), *self.rows.reset())
 
     def _base(self, shard):
         """With compression: the shard's model at the last average."""
@@ -408,15 +431,34 @@ class ModelPush(Push):
         return self._bases[shard]
 
     def on_reply(self, shard, values):
-        if self.engine._codec is None:
-            return []
-        return [self._base(shard).assign(values[:self.engine._layouts[shard].main_size])]
+        layout = self.engine._layouts[shard]
+        updates = [self.rows.take(part, ids, rows) for part, (ids, rows) in zip(
+            self.engine._row_parts[shard], layout.reply_rows(values))]
+        if self.engine._codec is not None:
+            updates.append(self._base(shard).assign(values[:layout.main_size]))
+        return updates
+
+    def pushed_rows(self, shard):
+        return [piece for part in self.engine._row_parts[shard]
+                for piece in self.rows.pushed(part)]
+
+    def joined(self, copy_tables):
+        if copy_tables:
+            self.rows.copy_masters()
+
+    def logs(self, stats):
+        logs = super().logs(stats)
+        if self.rows.tables:
+            logs["table_rows_pushed"] = self._rows_pushed.read_value()
+        return logs
 
     def prepare_run(self, sparse):
-        """With an outer optimizer: builds this worker's copy of it, whose variables are
+        """Tables averaged by rows are checked against the optimizer (`_check_rows`). With
+        an outer optimizer: builds this worker's copy of it, whose variables are
         mirrors of masters, on the variables the model's optimizer trains, which it marks
         `outer`. The rest (BatchNorm statistics, the optimizer's slots under
-        `optimizer_state="averaged"`) is averaged plainly."""
+        `optimizer_state="averaged"`, tables averaged by rows) is averaged plainly."""
+        self._check_rows()
         if self.outer is None:
             return {}
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
@@ -433,6 +475,36 @@ class ModelPush(Push):
         with tf.init_scope(), self.engine._container_strategy().scope():
             self.outer.build(trained)
         return {id(storage(v)): {"outer": True} for v in trained}
+
+    def _check_rows(self):
+        """Each table averaged by rows must be exact so: a row its gradient does not touch
+        keeps its value under the local optimizer (`rows_exact`), and no outer optimizer
+        steps on the model. A table the user named (`embedding_tables=[...]`) is refused
+        otherwise; one "auto" found goes back to being averaged whole, with a warning."""
+        rule = self.engine._tables.rule
+        if self.optimizer is None:
+            return  # nothing trains: no row changes
+        for variable in [t for t in self.rows.tables if t._tfdist_rows_table is t]:
+            keras_variable = keras_variable_of(self.optimizer, variable)
+            why = (None if keras_variable is None else
+                   rows_exact(self.optimizer, keras_variable, self.average_optimizer_state))
+            if why is None and self.outer is not None:
+                why = ("an outer optimizer (`outer_optimizer`) steps on the round's change of "
+                       "the whole model, not on rows")
+            if why is None:
+                continue
+            if rule.embedding_tables != "auto":
+                raise ValueError(
+                    f"the embedding table {variable._tfdist_path} cannot be averaged by the "
+                    f"rows a round changed: {why}. Leave it out of `embedding_tables` "
+                    f"(or pass `embedding_tables=None`) to average it whole every round. "
+                    f"Received: embedding_tables={rule.embedding_tables!r}")
+            log.warning("tfdist: the embedding table %s is averaged whole every round, not by "
+                        "the rows a round changed: %s (`embedding_tables`)",
+                        variable._tfdist_path, why)
+            for table in [t for t in self.rows.tables if t._tfdist_rows_table is variable]:
+                self.rows.drop(table)
+                table._tfdist_role = protocol.AVERAGE
 
     def split_optimizer(self):
         # Averaging is elementwise; an outer optimizer's update must be too.

@@ -16,7 +16,9 @@ AVERAGE = "average"      # model averaging: the mean model (or mean change) is a
 OPTIMIZER = "optimizer"  # the optimizer's own variables: live on the ps, never pushed
 TABLE = "table"          # an embedding table living on the ps only: its gradient's rows are
                          # pushed, the rows updated there; never in a reply
-ROLES = (GRADIENT, VALUE, AVERAGE, OPTIMIZER, TABLE)
+ROWS = "rows"            # model averaging: a table (or its slot) every worker trains a copy of,
+                         # averaged by the rows changed in a round (pushed and replied as rows)
+ROLES = (GRADIENT, VALUE, AVERAGE, OPTIMIZER, TABLE, ROWS)
 PUSHED_ROLES = (GRADIENT, VALUE, AVERAGE)
 
 # The fields of an entry that must agree between every worker of a run.

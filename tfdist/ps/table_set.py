@@ -130,21 +130,15 @@ class TableSet:
         on this worker. `new_path()` gives the variable's Keras path."""
         if not self.rule:
             return None
-        keras_variable = _tf_compat.keras_variable_being_initialized()
-        # (A Keras variable made from a value learns its shape after its storage is made:
-        # the optimizer's step counter. A table is made from an initializer.)
-        shape = _tf_compat.keras_variable_declared_shape(keras_variable)
-        if keras_variable is None or shape is None:
+        keras_variable, shape, dtype = self._being_made(kwargs)
+        if keras_variable is None:
             return None
-        shape = [int(n) for n in shape]
-        dtype = tf.as_dtype(kwargs.get("dtype") or keras_variable.dtype)
         colocate_with = kwargs.get("colocate_with")
         if isinstance(colocate_with, TableVariable):
             # An optimizer's slot of a table: rows beside the table's, never on a worker.
             shards = colocate_with._tfdist_shards
             role = protocol.OPTIMIZER
-        elif self.rule.matches(keras_variable.path, _tf_compat.keras_layer_in_scope(), shape,
-                               dtype, kwargs.get("trainable", True)):
+        elif self._named(keras_variable, shape, dtype, kwargs):
             parts = min(self.connection.num_ps, shape[0])
             shards = list(enumerate(placement.row_splits(shape[0], parts)))
             role = protocol.TABLE
@@ -165,6 +159,32 @@ class TableSet:
         (self.tables if role == protocol.TABLE else self.slots).append(table)
         self._ready = False
         return table
+
+    @staticmethod
+    def _being_made(kwargs):
+        """`(Keras variable, shape, dtype)` of the variable being made (None, None, None if
+        it is no Keras variable of a declared shape)."""
+        keras_variable = _tf_compat.keras_variable_being_initialized()
+        # (A Keras variable made from a value learns its shape after its storage is made:
+        # the optimizer's step counter. A table is made from an initializer.)
+        shape = _tf_compat.keras_variable_declared_shape(keras_variable)
+        if keras_variable is None or shape is None:
+            return None, None, None
+        return (keras_variable, [int(n) for n in shape],
+                tf.as_dtype(kwargs.get("dtype") or keras_variable.dtype))
+
+    def _named(self, keras_variable, shape, dtype, kwargs):
+        return self.rule.matches(keras_variable.path, _tf_compat.keras_layer_in_scope(), shape,
+                                 dtype, kwargs.get("trainable", True))
+
+    def names(self, kwargs):
+        """Whether the rule names the variable being made with `kwargs` a table (model
+        averaging keeps it on the workers and averages it by rows, `tfdist.ps.averaged_rows`).
+        """
+        if not self.rule:
+            return False
+        keras_variable, shape, dtype = self._being_made(kwargs)
+        return keras_variable is not None and self._named(keras_variable, shape, dtype, kwargs)
 
     def ready(self):
         """Before a step looks rows up (or a whole read): the chief writes the tables' initial

@@ -18,6 +18,7 @@ from tfdist import _tf_compat
 from tfdist import compression as compression_lib
 from tfdist.ps import protocol
 from tfdist.ps import wire
+from tfdist.ps.averaged_rows import averaged_rows
 from tfdist.ps.policies import HISTOGRAM_BUCKETS
 from tfdist.ps.policies import compensated_rows
 from tfdist.ps.policies import delay_compensated
@@ -120,6 +121,11 @@ class ShardUpdateGraph:
         with tf.device(self.device):
             self.clocks = tf.Variable(tf.zeros([self.num_workers], tf.int64))
             self.waiting = tf.Variable(tf.zeros([self.num_workers], tf.bool))
+            # Tables averaged by rows: per row, the global step of the round that last
+            # changed it (what a dropped worker missed).
+            self.rows_masters = [self.masters[e.path] for e in self.layout.rows]
+            self.row_versions = [tf.Variable(tf.zeros([e.shape[0]], tf.int64))
+                                 for e in self.layout.rows]
             self.weights_read = None
             if self.policy.delay_compensation is not None:
                 # DC-ASGD: per worker, the weights it was last sent (what it computes on).
@@ -194,10 +200,35 @@ class ShardUpdateGraph:
                 "last_rank": tf.constant(0),
                 # Each table's pushed rows and their flat values, every accepted push's.
                 "table_rows": [tf.zeros([0], tf.int64) for _ in self.layout.tables],
-                "table_values": [tf.zeros([0], tf.float32) for _ in self.layout.tables]}
+                "table_values": [tf.zeros([0], tf.float32) for _ in self.layout.tables],
+                # Each table averaged by rows: the rows and values every accepted push
+                # carries.
+                "rows_ids": [tf.zeros([0], tf.int64) for _ in self.layout.rows],
+                "rows_values": [tf.zeros([0], tf.float32) for _ in self.layout.rows]}
 
     def _flat_values(self):
         return protocol.ShardLayout.flatten([v.value for v in self.variables])
+
+    def _reply_values(self, rows=None):
+        """A reply's values: the shard's main and state variables, then (tables averaged by
+        rows) `rows`, `[(ids, flat values)]` per such table (None: no row)."""
+        values = self._flat_values()
+        if not self.layout.rows:
+            return values
+        if rows is None:
+            rows = [(tf.zeros([0], tf.int64), tf.zeros([0])) for _ in self.layout.rows]
+        return tf.concat([values, wire.rows_section(rows)], axis=0)
+
+    def _rows_since(self, tag, pushed):
+        """What a worker whose push (its rows `pushed`) was computed at global step `tag`
+        and dropped must take of each table averaged by rows: every row changed since, and
+        every row it changed itself, with their master values."""
+        out = []
+        for master, versions, (ids, _) in zip(self.rows_masters, self.row_versions, pushed):
+            changed = tf.reshape(tf.where(versions > tag), [-1])
+            rows, _ = tf.unique(tf.concat([changed, ids], axis=0))
+            out.append((rows, tf.reshape(tf.cast(tf.gather(master, rows), tf.float32), [-1])))
+        return out
 
     def _current_values(self):
         return protocol.ShardLayout.flatten([v.value for v in self.value_variables])
@@ -205,19 +236,31 @@ class ShardUpdateGraph:
     def _step(self):
         return self.progress[protocol.STAT_STEP]
 
+    def _pairs(self, payload):
+        """`(main payload, [(rows, flat row values)])` of a push: the pairs follow the
+        main payload (one vector, or a compressor's codes)."""
+        coded = (1 if self.compressor is None
+                 else len(wire.compressed_push_dtypes(self.layout, self.compressor)))
+        return payload[:coded], list(zip(payload[coded::2], payload[coded + 1::2]))
+
+    def _pushed_rows(self, payload):
+        """The pairs of a push's tables averaged by rows (its last pairs)."""
+        _, pairs = self._pairs(payload)
+        return pairs[len(pairs) - len(self.layout.rows):]
+
     def _decode(self, payload, tag, rank):
-        """`(main vector, [(rows, flat row values)] of each table)` of a push's payload (a
-        table's rows delay-compensated where the push carries the rows its worker read)."""
+        """`(main vector, [(rows, flat row values)] of each table, [the same of each table
+        averaged by rows])` of a push's payload (a table's rows delay-compensated where the
+        push carries the rows its worker read)."""
+        main, pairs = self._pairs(payload)
         if self.compressor is None:
-            pairs = list(zip(payload[1::2], payload[2::2]))
             sparse = len(self.layout.sparse)
-            main, pairs = self.layout.densify(payload[0], pairs[:sparse]), pairs[sparse:]
+            main, pairs = self.layout.densify(main[0], pairs[:sparse]), pairs[sparse:]
         else:
-            coded = len(wire.compressed_push_dtypes(self.layout, self.compressor))
-            pairs = list(zip(payload[coded::2], payload[coded + 1::2]))
-            main = wire.decode_push(self.layout, self.compressor, payload[:coded],
+            main = wire.decode_push(self.layout, self.compressor, main,
                                     wire.push_key(tag, rank, self.spec.shard,
                                                   self.num_workers))
+        rows = pairs[len(pairs) - len(self.layout.rows):]
         tables, pairs = [], iter(pairs)
         for variable, entry in zip(self.table_variables, self.layout.tables):
             gradient = next(pairs)
@@ -225,7 +268,7 @@ class ShardUpdateGraph:
                 gradient = compensated_rows(variable, entry, gradient, next(pairs),
                                             self.policy.delay_compensation)
             tables.append(gradient)
-        return main, tables
+        return main, tables, rows
 
     def _send(self, rank, step, values, message=""):
         """Enqueues a reply to worker `rank` with `values` at global step `step`; with
@@ -274,19 +317,22 @@ class ShardUpdateGraph:
             taken = tf.cast(usable, tf.int64)
             new = dict(state)
 
+            grown = ("table_rows", "table_values", "rows_ids", "rows_values")
+
             def take():
-                main, tables = self._decode(payload, tag, entry_rank)
+                main, tables, rows = self._decode(payload, tag, entry_rank)
                 return (state["total"] + main,
                         state["values"] + tf.reshape(values, [self.layout.value_size])
                         - current,
-                        [tf.concat([old, rows], 0)
-                         for old, (rows, _) in zip(state["table_rows"], tables)],
-                        [tf.concat([old, flat], 0)
-                         for old, (_, flat) in zip(state["table_values"], tables)])
+                        *[[tf.concat([old, piece[i]], 0)
+                           for old, piece in zip(state[key], pairs)]
+                          for key, pairs, i in zip(grown, (tables, tables, rows, rows),
+                                                   (0, 1, 0, 1))])
 
-            (new["total"], new["values"], new["table_rows"], new["table_values"]) = tf.cond(
-                usable, take, lambda: (state["total"], state["values"], state["table_rows"],
-                                       state["table_values"]))
+            (new["total"], new["values"], *grown_values) = tf.cond(
+                usable, take, lambda: (state["total"], state["values"],
+                                       *[state[key] for key in grown]))
+            new.update(zip(grown, grown_values))
             new["accepted"] = state["accepted"] + tf.cast(usable, tf.int32)
             new["dropped"] = state["dropped"] + tf.cast(stale, tf.int64)
             new["staleness_sum"] = state["staleness_sum"] + taken * staleness
@@ -297,9 +343,11 @@ class ShardUpdateGraph:
             new["released"] = tf.logical_or(state["released"], tf.logical_and(
                 usable, tf.one_hot(entry_rank, self.num_workers, on_value=True,
                                    off_value=False)))
-            # A stale push is dropped and its worker sent the current weights at once.
-            sent = tf.cond(stale, lambda: self._send(entry_rank, step, self._flat_values()),
-                           lambda: tf.constant(True))
+            # A stale push is dropped and its worker sent the current weights at once
+            # (of a table averaged by rows, the rows it lacks: `_rows_since`).
+            sent = tf.cond(stale, lambda: self._send(entry_rank, step, self._reply_values(
+                self._rows_since(tag, self._pushed_rows(payload)) if self.layout.rows
+                else None)), lambda: tf.constant(True))
             with tf.control_dependencies([sent]):
                 new["total"] = tf.identity(new["total"])
             return new, tf.where(control, tf.cast(-tag, tf.int32), 0), entry_rank
@@ -309,7 +357,8 @@ class ShardUpdateGraph:
     # Apply -----------------------------------------------------------------------------------
 
     def _apply(self, state):
-        """Applies the mean of the accepted pushes; returns the new global step.
+        """Applies the mean of the accepted pushes; returns the new global step and the rows
+        of the tables averaged by rows that the update changed (`[(ids, flat values)]`).
 
         The non-trainable values take their mean; the main variables are updated by
         `_apply_average` (model averaging) or `_apply_gradients` (the optimizer, once). Each
@@ -323,14 +372,26 @@ class ShardUpdateGraph:
             values = self.layout.unflatten(self._current_values() + state["values"] / count,
                                            self.layout.values, self.layout.value_sizes)
             updates += [v.assign(x) for v, x in zip(self.value_variables, values)]
-        apply_main = (self._apply_average if self.policy.averages_weights
-                      else self._apply_gradients)
-        return apply_main(state["total"] / count, state, updates)
+        if not self.policy.averages_weights:
+            return self._apply_gradients(state["total"] / count, state, updates), None
+        return self._apply_average(state["total"] / count, state, updates)
 
     def _apply_average(self, mean, state, updates):
         """Model averaging: each variable takes the mean model (or adds the mean change); an
-        outer optimizer steps on the round's outer gradient, master - mean."""
-        del state
+        outer optimizer steps on the round's outer gradient, master - mean. A table averaged
+        by rows averages the rows pushed (`averaged_rows`); returns `(step, those rows)`."""
+        step = self._step() + 1
+        rows = []
+        for master, versions, entry, ids, flat in zip(
+                self.rows_masters, self.row_versions, self.layout.rows, state["rows_ids"],
+                state["rows_values"]):
+            changed, averaged = averaged_rows(ids, flat, master, state["accepted"])
+            updates += [master.scatter_update(tf.IndexedSlices(
+                            tf.cast(tf.reshape(averaged, [-1, *entry.shape[1:]]), master.dtype),
+                            changed)),
+                        versions.scatter_update(tf.IndexedSlices(
+                            tf.fill(tf.shape(changed), step), changed))]
+            rows.append((changed, averaged))
         parts = self.layout.unflatten(mean, self.layout.main, self.layout.main_sizes)
         outer_gradients, outer_variables = [], []
         for variable, part, entry in zip(self.main_variables, parts, self.layout.main):
@@ -346,7 +407,7 @@ class ShardUpdateGraph:
                 self.outer_optimizer.apply(outer_gradients, outer_variables)
             updates.append(self.outer_optimizer.iterations.value)
         with tf.control_dependencies(updates):
-            return self._step() + 1
+            return tf.identity(step), rows
 
     def _apply_gradients(self, mean, state, updates):
         """The user's optimizer applied once to the mean gradient (delay-compensated for
@@ -416,10 +477,10 @@ class ShardUpdateGraph:
 
     def _apply_and_release(self, state, live):
         """One update: apply, record, and reply to the workers whose pushes it used."""
-        step = self._apply(state)
+        step, rows = self._apply(state)
         if not self.policy.defers_release:
             with tf.control_dependencies([self._record_fn(step, state)]):
-                values = self._flat_values()
+                values = self._reply_values(rows)
             for rank in range(self.num_workers):
                 tf.cond(state["released"][rank], lambda rank=rank: self._send(rank, step, values),
                         lambda: tf.constant(True))
@@ -449,7 +510,7 @@ class ShardUpdateGraph:
         if state is None:
             state = self.empty_state()
         with tf.control_dependencies([self._record_fn(step, state, gap, updated)]):
-            values = self._flat_values()
+            values = self._reply_values()
             cleared = self.waiting.assign(tf.logical_and(self.waiting.read_value(),
                                                          tf.logical_not(release)))
         with tf.control_dependencies([cleared]):
@@ -487,6 +548,8 @@ class ShardUpdateGraph:
         invariants = tf.nest.map_structure(lambda t: t.shape, loop)
         for key in ("table_rows", "table_values"):
             invariants[0][key] = [tf.TensorShape([None]) for _ in self.layout.tables]
+        for key in ("rows_ids", "rows_values"):
+            invariants[0][key] = [tf.TensorShape([None]) for _ in self.layout.rows]
         return tf.while_loop(cond, body, loop, shape_invariants=invariants,
                              parallel_iterations=1)
 
@@ -496,7 +559,7 @@ class ShardUpdateGraph:
 
     def _release_one_fn(self, rank):
         with tf.device(self.device):
-            self._send(rank, self._step(), self._flat_values(), message=protocol.SYNC_MESSAGE)
+            self._send(rank, self._step(), self._reply_values(), message=protocol.SYNC_MESSAGE)
 
     def _rejoin_fn(self, rank, live):
         """A worker (re)joins: SSP counts it from the slowest other live worker's clock."""

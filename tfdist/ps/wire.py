@@ -10,8 +10,8 @@ import json
 
 import tensorflow as tf
 
-from tfdist._bitcast import floats_as_ints  # noqa: F401  (the push's head and reply)
-from tfdist._bitcast import ints_as_floats  # noqa: F401
+from tfdist._bitcast import floats_as_ints
+from tfdist._bitcast import ints_as_floats
 from tfdist.ps.spec import entry_of
 
 REPLY_DTYPES = [tf.int64, tf.string, tf.int64, tf.float32]
@@ -97,6 +97,32 @@ def sparse_rows(gradient, entry):
         gradient = tf.IndexedSlices(gradient, tf.range(entry_of(entry).shape[0]))
     return (tf.cast(gradient.indices, tf.int64),
             tf.reshape(tf.cast(gradient.values, tf.float32), [-1]))
+
+
+def rows_section(pairs):
+    """The tail of a reply that carries rows (tables averaged by rows): each entry's row
+    count, then each entry's ids and flat row values, as one float32 vector (int64s as the
+    float32 words of their bits)."""
+    if not pairs:
+        return tf.zeros([0], tf.float32)
+    counts = tf.stack([tf.size(ids, out_type=tf.int64) for ids, _ in pairs])
+    pieces = [ints_as_floats(counts)]
+    for ids, values in pairs:
+        pieces += [ints_as_floats(tf.cast(ids, tf.int64)),
+                   tf.reshape(tf.cast(values, tf.float32), [-1])]
+    return tf.concat(pieces, axis=0)
+
+
+def split_rows_section(flat, widths):
+    """`[(ids int64, flat float32 values)]` of a `rows_section` whose entries' rows are
+    `widths` floats wide."""
+    count = len(widths)
+    head, rest = tf.split(flat, [2 * count, -1])
+    counts = floats_as_ints(head)
+    sizes = tf.reshape(tf.stack([2 * counts, counts * tf.constant(widths, tf.int64)], axis=1),
+                       [-1])
+    pieces = tf.split(rest, sizes, num=2 * count)
+    return [(floats_as_ints(pieces[2 * i]), pieces[2 * i + 1]) for i in range(count)]
 
 
 def encode(message):

@@ -98,6 +98,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         self._tls = threading.local()
         self._clients = None
         self._shards = None
+        self._row_parts = None
         self._layouts = None
         self._left = False
         self._codec = (None if compressor is None
@@ -142,6 +143,15 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         if role is None:
             return super()._create_variable(next_creator, **kwargs)
         colocate_with = kwargs.pop("colocate_with", None)
+        # Model averaging: a table stays on every worker, averaged by the rows a round
+        # changed (`tfdist.ps.averaged_rows`), and an averaged slot of it by the same rows.
+        rows_of = None
+        if role == protocol.AVERAGE and self._push.averages_rows:
+            if (isinstance(colocate_with, MirrorVariable)
+                    and colocate_with._tfdist_role == protocol.ROWS):
+                role, rows_of = protocol.ROWS, colocate_with
+            elif self._tables.names(kwargs):
+                role = protocol.ROWS
         path = self._new_path(kwargs)
         with tf.init_scope(), tf.device(self._device):
             variable = MirrorVariable.create(path, role, **kwargs)
@@ -153,6 +163,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         # checkpoints read ps task 0's, its writes (a callback's new learning rate) go to all.
         variable._tfdist_everywhere = (role == protocol.OPTIMIZER
                                        and variable._tfdist_colocate is None)
+        if role == protocol.ROWS:
+            self._push.rows.add(variable, rows_of)
         self._mirrors.append(variable)
         return variable
 
@@ -215,8 +227,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         `sparse_variables` are pushed as the rows their gradient touches (embeddings)."""
         if self._clients is not None:
             return
-        if self._push.keeps_tables:
-            self._tables.rule.check_patterns()
+        self._tables.rule.check_patterns()
         pushed = {id(v) for v in pushed_variables}
         num_ps = self._connection.num_ps
         for variable in self._mirrors:
@@ -227,6 +238,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         self._placement = self._plan(fields)
         entries = [[] for _ in range(num_ps)]
         self._shards = [[] for _ in range(num_ps)]
+        self._row_parts = [[] for _ in range(num_ps)]  # of tables averaged by rows
         for variable in self._mirrors:
             role = variable._tfdist_role
             entry = {"path": variable._tfdist_path, "shape": variable.shape.as_list(),
@@ -237,6 +249,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                                                        "rows": rows}))
                 if role in protocol.PUSHED_ROLES:
                     self._shards[shard].append(part)
+                elif role == protocol.ROWS:
+                    self._row_parts[shard].append(part)
         for parts in self._shards:
             order = {protocol.GRADIENT: 0, protocol.AVERAGE: 0, protocol.VALUE: 1}
             parts.sort(key=lambda p: order[p.variable._tfdist_role])
@@ -278,7 +292,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                 dtypes = (self._codec.queue_dtypes(layout) if self._codec is not None
                           else [tf.float32])
                 client.open_push_queue(dtypes, layout.num_row_pairs)
-            self._pull()
+            self._pull(copy_tables=not any(a["initialize"] for a in answers))
 
     def _plan(self, fields):
         """`{path: [(ps_index, rows)]}`: where each mirror's master parts live."""
@@ -301,8 +315,9 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         optimizer's slots; a table kept on the ps tasks and its slots count where their rows
         are) and `bytes_pushed` (what one push of a worker carries there; for an embedding
         mirrored and pushed as rows, its whole size: the most a push can carry; a table's
-        rows are not counted: a push carries the rows its step touched, 8 bytes of index
-        and the row's values each)."""
+        rows are not counted, nor those of a table model averaging averages by rows: a push
+        carries the rows its step (round) touched, 8 bytes of index and the row's values
+        each)."""
         if self._clients is None:
             raise ValueError("the masters are placed when the first training step starts")
         out = [{"task": name, "variables": {}, "bytes_held": 0, "bytes_pushed": 0}
@@ -338,10 +353,12 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                          init_timeout=self._init_timeout,
                          table_updates=self._tables.updates)
 
-    def _pull(self):
-        """Takes the current master weights of every shard (eagerly)."""
+    def _pull(self, copy_tables=True):
+        """Takes the current master weights of every shard (eagerly); `copy_tables`: the
+        tables averaged by rows too (read in chunks: a reply carries rows only)."""
         with tf.init_scope(), replica_step():
             self._assign_replies([client.sync() for client in self._clients])
+            self._push.joined(copy_tables)
 
     def _assign_replies(self, replies):
         """Writes every shard's reply `(token, stats, values)` into the mirrors (the parts of
@@ -392,7 +409,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                                                               self._push.optimizer)
                 sent.append(payload)
             # The rows of each table's gradient on this ps task (never compressed).
-            payload = (*payload, *self._tables.pushed_rows(shard, layout, main_tensor, lookups))
+            payload = (*payload, *self._tables.pushed_rows(shard, layout, main_tensor, lookups),
+                       *self._push.pushed_rows(shard))
             # Shards do not wait for each other: their round trips overlap.
             with tf.control_dependencies(state_updates):
                 replies.append(client.push_and_receive(tag, payload, values))
@@ -466,7 +484,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
 
     def _take_masters(self):
         with tf.init_scope(), replica_step():
-            variables = {id(p.variable): p.variable for parts in self._shards for p in parts}
+            variables = {id(p.variable): p.variable
+                         for parts in self._shards + self._row_parts for p in parts}
             for variable in variables.values():
                 variable.assign(variable.master_value(), read_value=False)
             self._stats.assign(self._clients[0].progress.read_value(), read_value=False)

@@ -5,6 +5,7 @@ from tfdist._args import check_int
 from tfdist.ps.outer_optimizer import outer_optimizer_config
 from tfdist.ps.policies import AveragingPolicy
 from tfdist.ps.push import ModelPush
+from tfdist.ps.table_set import TableRule
 from tfdist.ps.worker import ParameterServerExtended
 from tfdist.strategies.parameter_server import ParameterServerStrategyBase
 from tfdist.strategies.parameter_server import n_of_m_policy
@@ -60,13 +61,32 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
         variable, and the chief's Keras checkpoints (`ModelCheckpoint`,
         `BackupAndRestore`, `save_weights`) hold and restore it with the model's
         optimizer. `keras.optimizers.SGD(1.0)` gives plain averaging (up to rounding).
+      embedding_tables: the embedding tables averaged by the rows a round changed: "auto"
+        (the default: the table of every `keras.layers.Embedding`), None (every table
+        averaged whole, every round), or a list of Keras path patterns (`fnmatch`; a pattern
+        that matches no trainable float variable of rank 2 or more is an error at the first
+        step). Each worker still trains its own copy of a table (local SGD needs it), and
+        marks the rows its steps' gradients touch; a round pushes only those rows (ids and
+        values), the ps averages each pushed row over the round's workers (one that did not
+        touch it counts with the master's value, which it started the round from) and the
+        reply carries only the rows the round changed. A round's cost then follows the rows
+        touched, not the table (logs gain `table_rows_pushed`); the result is the whole
+        table's average. That holds when a row without gradient keeps its value: the local
+        optimizer is SGD without momentum, Adagrad, RMSprop or Adadelta without momentum
+        (SGD or Adagrad with `optimizer_state="averaged"`: their slots are averaged by the
+        same rows), without weight decay or a constraint on the table, and there is no
+        `outer_optimizer`.
+        Otherwise a table "auto" found is averaged whole, with a warning, and a table a
+        pattern names is an error that says why. With `compression`, the rest of the model
+        is compressed and the rows travel as they are.
       cluster, init_timeout, connect_timeout, inter_op_threads, variable_partitioner: as for
         `SoftSyncStrategy` (averaging is elementwise: "auto" splits with any optimizer).
     """
 
     def __init__(self, period=1, replicas_to_aggregate=None, optimizer_state="local",
                  cluster=None, init_timeout=None, connect_timeout=None, inter_op_threads=1,
-                 compression=None, variable_partitioner="auto", outer_optimizer=None):
+                 compression=None, variable_partitioner="auto", outer_optimizer=None,
+                 embedding_tables="auto"):
         check_int("period", period, "an integer >= 1 (local steps between averaging rounds)",
                   low=1)
         if optimizer_state not in ("local", "averaged"):
@@ -78,7 +98,7 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
             self, n_of_m_policy(AveragingPolicy, replicas_to_aggregate), push, cluster=cluster,
             init_timeout=init_timeout, connect_timeout=connect_timeout,
             inter_op_threads=inter_op_threads, compression=compression,
-            variable_partitioner=variable_partitioner))
+            variable_partitioner=variable_partitioner, tables=TableRule(embedding_tables)))
 
     @property
     def period(self):
