@@ -333,6 +333,7 @@ class ModelPush(Push):
         self.average_optimizer_state = average_optimizer_state
         self.outer = None if outer_optimizer is None else OuterOptimizer(outer_optimizer)
         self._bases = {}  # with compression: each shard's model at the last average
+        self._rates = []  # the mirror of the model's optimizer's learning rate, if a master
 
     def attach(self, engine):
         super().attach(engine)
@@ -347,8 +348,16 @@ class ModelPush(Push):
             if self.outer.building:
                 return protocol.OPTIMIZER  # the outer optimizer's state lives on the ps tasks
             self.outer.attach(optimizer)  # before a checkpoint restores it: in __init__
-        if optimizer is not None and not self.average_optimizer_state:
-            return None
+        if optimizer is not None:
+            name = kwargs.get("name") or ""
+            if _tf_compat.keras_optimizer_makes_learning_rate(name):
+                # A run-wide hyperparameter, never averaged: a master the chief's writes
+                # (a callback's new rate) reach, which every worker takes each round.
+                return protocol.OPTIMIZER
+            shape = getattr(kwargs.get("initial_value"), "shape", kwargs.get("shape"))
+            if not (self.average_optimizer_state
+                    and _tf_compat.keras_optimizer_slot(optimizer, name, shape)):
+                return None  # the step counter, a loss scale: each worker's own
         return (protocol.AVERAGE if tf.as_dtype(kwargs.get("dtype") or tf.float32).is_floating
                 else None)
 
@@ -408,19 +417,32 @@ class ModelPush(Push):
         return self._bases[shard]
 
     def on_reply(self, shard, values):
-        if self.engine._codec is None:
-            return []
-        return [self._base(shard).assign(values[:self.engine._layouts[shard].main_size])]
+        updates = []
+        if shard == 0 and self._rates:
+            # The learning rate is the master's (the chief's last write), read once the
+            # round's reply is here: every worker pushed the round, the chief included.
+            with tf.control_dependencies([values]):
+                updates += [rate.assign(rate.master_value(), read_value=False)
+                            for rate in self._rates]
+        if self.engine._codec is not None:
+            updates.append(
+                self._base(shard).assign(values[:self.engine._layouts[shard].main_size]))
+        return updates
 
     def prepare_run(self, sparse):
-        """With an outer optimizer: builds this worker's copy of it, whose variables are
-        mirrors of masters, on the variables the model's optimizer trains, which it marks
-        `outer`. The rest (BatchNorm statistics, the optimizer's slots under
+        """Finds the learning rate's mirror (the workers' steps read it, each round takes
+        the master's). With an outer optimizer: builds this worker's copy of it, whose
+        variables are mirrors of masters, on the variables the model's optimizer trains,
+        which it marks `outer`. The rest (BatchNorm statistics, the optimizer's slots under
         `optimizer_state="averaged"`) is averaged plainly."""
+        storage = _tf_compat.keras_variable_storage
+        rate = storage(_tf_compat.keras_optimizer_learning_rate(self.optimizer))
+        if isinstance(rate, MirrorVariable) and rate._tfdist_role == protocol.OPTIMIZER:
+            rate._tfdist_read_locally = True
+            self._rates = [rate]
         if self.outer is None:
             return {}
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
-        storage = _tf_compat.keras_variable_storage
         trained = [v for v in _tf_compat.keras_optimizer_trained_variables(inner)
                    if isinstance(storage(v), MirrorVariable)
                    and storage(v)._tfdist_role == protocol.AVERAGE]
