@@ -420,7 +420,8 @@ class ModelPush(Push):
         updates = []
         if shard == 0 and self._rates:
             # The learning rate is the master's (the chief's last write), read once the
-            # round's reply is here: every worker pushed the round, the chief included.
+            # round's reply is here: when every worker's model makes a round, the chief's
+            # write before its push is seen by all (a scalar read a round, on ps task 0).
             with tf.control_dependencies([values]):
                 updates += [rate.assign(rate.master_value(), read_value=False)
                             for rate in self._rates]
