@@ -319,6 +319,41 @@ def keras_optimizer_trained_variables(optimizer):
     return list(getattr(optimizer, "_trainable_variables", None) or ())
 
 
+def keras_optimizer_slot(optimizer, name, shape):
+    """Whether the variable `name` of `shape` that `optimizer` makes now is a per-weight slot
+    (a momentum, Adam's moments), not one of its scalars (step counter, learning rate, a loss
+    scale and its counter).
+
+    Keras marks neither. It makes a slot while the optimizer is built on its weights, named
+    after the weight it shadows (`add_variable_from_reference`: `{path with _}_{slot}`), and
+    of its shape; the scalars are made in the constructor, or before the weights are known.
+    """
+    import tensorflow as tf
+
+    for weight in keras_optimizer_trained_variables(optimizer):
+        path = getattr(weight, "path", None)
+        if (isinstance(path, str) and str(name).startswith(path.replace("/", "_") + "_")
+                and tf.TensorShape(shape) == tf.TensorShape(weight.shape)):
+            return True
+    return False
+
+
+def keras_optimizer_makes_learning_rate(name):
+    """Whether the variable named `name` that an optimizer makes now is its learning rate
+    (Keras's constructor makes it as `learning_rate` when the rate is a float; Keras exports
+    no name for it)."""
+    return str(name).split(":")[0] == "learning_rate"
+
+
+def keras_optimizer_learning_rate(optimizer):
+    """The Keras variable holding `optimizer`'s learning rate, or None (a schedule)."""
+    import keras
+
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    rate = getattr(inner, "_learning_rate", None)
+    return rate if isinstance(rate, keras.Variable) else None
+
+
 def keras_variable_storage(variable):
     """The TF variable behind Keras variable `variable` as it is (no autocast), or None."""
     return getattr(variable, "_value", None)

@@ -4,6 +4,7 @@ of a train step does, the logs' names, which optimizer a split must suit, the sp
 import keras
 import tensorflow as tf
 
+from tfdist import _tf_compat
 from tfdist.ps import placement
 from tfdist.ps import protocol
 from tfdist.ps.outer_optimizer import outer_optimizer_config
@@ -16,6 +17,24 @@ FLOAT = {"dtype": "float32"}
 FROZEN = {"dtype": "float32", "trainable": False}
 COUNTER = {"dtype": "int64"}
 STATS = tf.constant([7, 9, 2, 0, 0, 0, 0], tf.int64)  # step, updates, dropped, ...
+
+
+def roles_made_by(push, make):
+    """`{name: [roles]}` that `push` gives the variables Keras makes in `make()`, as a
+    worker's variable creator asks it (the optimizer is found in Keras's name scope)."""
+    roles = {}
+
+    def creator(next_creator, **kwargs):
+        value = kwargs["initial_value"]
+        kwargs["initial_value"] = tf.convert_to_tensor(value() if callable(value) else value,
+                                                       dtype=kwargs.get("dtype"))
+        roles.setdefault(kwargs["name"], []).append(
+            push.role(kwargs, _tf_compat.keras_optimizer_in_scope()))
+        return next_creator(**kwargs)
+
+    with tf.variable_creator_scope(creator):
+        make()
+    return roles
 
 
 class GradientPushTest(tf.test.TestCase):
@@ -74,10 +93,30 @@ class ModelPushTest(tf.test.TestCase):
             self.assertEqual(push.role(FLOAT, None), protocol.AVERAGE)
             self.assertEqual(push.role(FROZEN, None), protocol.AVERAGE)
             self.assertIsNone(push.role(COUNTER, None))
-        # The optimizer's state: each worker's own, or averaged with the model.
+        # A variable of the optimizer that is not a slot of a weight it was built on (its
+        # scalars): never averaged.
         self.assertIsNone(local.role(FLOAT, sgd))
-        self.assertEqual(averaged.role(FLOAT, sgd), protocol.AVERAGE)
+        self.assertIsNone(averaged.role(FLOAT, sgd))
         self.assertIsNone(averaged.role(COUNTER, sgd))
+
+    def test_only_slots_are_averaged_and_the_learning_rate_is_a_master(self):
+        # Issue 22: the chief's learning rate 0.1 halved gave 0.0875 on 4 workers after the
+        # next round: it was averaged with the slots. As Keras makes them: the learning rate
+        # lives on the ps (the chief's writes reach every worker), the step counters and the
+        # loss scale stay each worker's own, the per-weight slots alone are averaged.
+        weights = [keras.Variable(tf.ones([3, 2]), name="kernel"),
+                   keras.Variable(tf.ones([2]), name="bias")]
+        for push, slot_role in ((ModelPush(average_optimizer_state=True), protocol.AVERAGE),
+                                (ModelPush(), None)):
+            with self.subTest(averaged=push.average_optimizer_state):
+                roles = roles_made_by(push, lambda: keras.optimizers.LossScaleOptimizer(
+                    keras.optimizers.SGD(0.1, momentum=0.9)).build(weights))
+                self.assertEqual(roles, {
+                    "iteration": [None, None],  # the wrapper's and the inner optimizer's
+                    # (the wrapper's own, unused, is a master too)
+                    "learning_rate": [protocol.OPTIMIZER, protocol.OPTIMIZER],
+                    "step_counter": [None], "dynamic_scale": [None],
+                    "kernel_momentum": [slot_role], "bias_momentum": [slot_role]})
 
     def test_the_outer_optimizers_state_lives_on_the_ps(self):
         push = ModelPush(outer_optimizer=outer_optimizer_config("sgd"))

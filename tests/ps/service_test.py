@@ -78,10 +78,17 @@ class ServiceTest(tf.test.TestCase):
 
     def test_bad_messages_are_logged_and_a_later_hello_still_starts_a_run(self):
         service = self.service()
-        for text, logged in [(b"\x00garbage", "not JSON"), (b"7", "not a JSON object"),
-                             (b'{"type": "hello", "rank": 0}', "needs a `nonce` field"),
-                             (hello(rank=5), r"below num_workers=2. Received: rank=5"),
-                             (b'{"type": "absent", "rank": 0}', None)]:
+        spec_json = spec().to_json()
+        for text, logged in [
+                (b"\x00garbage", ": not JSON"), (b"7", ": not a JSON object"),
+                (b'{"type": "hello", "rank": 0}', r" from rank 0 \(as it says\): .*needs a "
+                                                  r"`nonce` field"),
+                (wire.encode({"type": "hello", "rank": 1, "nonce": 3, "spec": spec_json}),
+                 r" from /job:worker/task:1 \(rank 1, as it says\): `nonce` of a hello "
+                 r"message must be a string"),
+                (hello(rank=5), r" from rank 5 \(as it says\): .*below num_workers=2. "
+                                r"Received: rank=5"),
+                (b'{"type": "absent", "rank": 0}', None)]:
             with self.subTest(text=text):
                 if logged is None:  # no run yet: an absent worker changes nothing
                     service.handle_control(text)
@@ -89,8 +96,13 @@ class ServiceTest(tf.test.TestCase):
                 with self.assertLogs("tfdist", "ERROR") as logs:
                     service.handle_control(text)
                 self.assertRegex("\n".join(logs.output),
-                                 "/job:ps/task:0: ignored a bad control message: .*" + logged)
-        self.assertEqual(service.hello_queues, {})  # nobody was answered
+                                 "/job:ps/task:0: ignored a bad control message" + logged)
+        # A worker whose rank its own spec does not have (a wrong TF_CONFIG) is told why,
+        # not left to wait for an answer (issue 22); nobody else was answered.
+        self.assertEqual(list(service.hello_queues), [5])
+        self.assertRegex(self.answer(service, 5)["error"],
+                         r"`rank` of a hello message must be >= 0 and below num_workers=2. "
+                         r"Received: rank=5")
         # A hello whose spec is not a shard's spec is answered with what is wrong.
         with self.assertLogs("tfdist", "ERROR"):
             service.handle_control(wire.encode({"type": "hello", "rank": 1, "nonce": "z",
@@ -107,7 +119,8 @@ class ServiceTest(tf.test.TestCase):
         # An absent rank out of the run's range is refused; one in range reaches the run.
         with self.assertLogs("tfdist", "ERROR") as logs:
             service.handle_control(b'{"type": "absent", "rank": 9}')
-        self.assertIn("below num_workers=2. Received: rank=9", logs.output[0])
+        self.assertRegex(logs.output[0], r"from rank 9 \(as it says\): .*below "
+                                         r"num_workers=2. Received: rank=9")
 
     def test_a_hello_naming_a_module_not_given_to_the_ps_is_refused_not_imported(self):
         module = "tests.ps.not_imported_by_the_ps"
@@ -128,13 +141,15 @@ class ServiceTest(tf.test.TestCase):
     def test_the_modules_a_ps_may_import(self):
         allowed = ["tests.strategies.ps_functions"]
         self.assertIsNone(refused_import(spec(imports=["keras.src.optimizers.adam"]), allowed))
+        self.assertIsNone(refused_import(spec(imports=["tfdist.ps.outer_optimizer"]), []))
         self.assertIsNone(refused_import(spec(
             imports=["tests.strategies.ps_functions"],
             policy={"name": "async", "staleness": "tests.strategies.ps_functions:frozen"}),
             allowed))
         self.assertIsNone(refused_import(spec(policy={"name": "async",
                                                       "staleness": "inverse"}), []))
-        for imports in (["kerasx"], ["tests.strategies"], ["tests.strategies.ps_functionsx"]):
+        for imports in (["kerasx"], ["tfdistx"], ["tests.strategies"],
+                        ["tests.strategies.ps_functionsx"]):
             with self.subTest(imports=imports):
                 self.assertIn("was not named on the ps task's command line",
                               refused_import(spec(imports=imports), allowed))

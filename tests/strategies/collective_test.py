@@ -580,12 +580,19 @@ class KerasOptimizerFeaturesTest(keras_optimizer_tests.OptimizerDistributeTest):
         self.strategy = tfdist.strategies.CompressedMirroredStrategy(DEVICES,
                                                                      compression="fp16")
 
-    def test_config(self):
-        # An optimizer made under a compressed strategy carries its codec state (an
-        # attribute that Keras saves with it): the one revived from its config is made under
-        # the strategy too, so that both have it.
+    # Keras's `test_config` runs as Keras wrote it: an optimizer made under the strategy and
+    # one revived from its config outside it have the same attributes (issue 22: the first
+    # carried its codec state, attached as it was made).
+
+    def test_the_codec_state_is_attached_once_the_optimizer_is_put_to_use(self):
         with self.strategy.scope():
-            super().test_config()
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+            optimizer = keras.optimizers.SGD(0.1)
+            self.assertFalse(hasattr(optimizer, "tfdist_compression_state"))
+            # Compiling makes the loss tracker's variables: from then on a Keras file or a
+            # checkpoint loaded before the first step restores the codec state too.
+            model.compile(optimizer=optimizer, loss="mse")
+        self.assertTrue(hasattr(optimizer, "tfdist_compression_state"))
 
 
 class RegistryAndErrorsTest(tf.test.TestCase):

@@ -88,13 +88,19 @@ class ModelAveragingTest(tf.test.TestCase, parameterized.TestCase):
     def test_rounds_every_period_and_every_worker_ends_on_the_average(self):
         # The optimizer's slots averaged; an outer optimizer with momentum, whose slots are
         # for the model's variables only (the averaged momentum slots are not among them).
+        # Only the chief halves the learning rate each epoch: its writes reach worker 1
+        # (issue 22: the rates were averaged, 0.1 and 0.05 gave 0.075).
         out = self.get_temp_dir()
         outer = {"class_name": "SGD", "config": {"learning_rate": 1.0, "momentum": 0.5}}
         cluster, result = run_cluster(out, 2, "--strategy=model_averaging",
                                            "--strategy_arg=period=4",
                                            "--strategy_arg=optimizer_state='averaged'",
-                                           flag(outer), "--optimizer=momentum", "--epochs=4")
+                                           flag(outer), "--optimizer=momentum", "--epochs=4",
+                                           "--chief_halves")
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
+        for rank in (0, 1):
+            self.assertAllClose(load_result(out, f"worker{rank}.json")["learning_rate"],
+                                0.1 / 2 ** 3, rtol=1e-6, atol=0, msg=f"worker {rank}")
         steps = 4 * ps_program.ROWS // 2 // ps_program.BATCH
         chief, other = load_result(out, "worker0.json"), load_result(out, "worker1.json")
         self.assertEqual(chief["updates"], steps // 4)
@@ -114,6 +120,9 @@ class ModelAveragingTest(tf.test.TestCase, parameterized.TestCase):
         inner = [p for p in masters if not p.startswith("outer_optimizer/")]
         self.assertCountEqual([p.partition("/")[2] for p in inner if p.endswith("_momentum")],
                               slots)
+        # The learning rate has a master (never pushed); the step counter is each worker's.
+        self.assertLen([p for p in inner if p.endswith("/learning_rate")], 1, inner)
+        self.assertFalse([p for p in inner if p.endswith("/iteration")], inner)
         self.assertNotIn("bytes_sent", chief["history"])
 
     @parameterized.parameters((3, {"class_name": "SGD", "config": {"learning_rate": 1.0}}),

@@ -19,6 +19,7 @@ import time
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf
 from absl import app
 from absl import flags
 
@@ -47,6 +48,8 @@ flags.DEFINE_float("pause", 0.0, "The slow worker's pause after its first epoch,
                    "(a long validation or checkpoint: no push meanwhile).")
 flags.DEFINE_integer("steps_per_execution", 1, "Keras `steps_per_execution`.")
 flags.DEFINE_bool("frozen", False, "async: a staleness function that zeroes every update.")
+flags.DEFINE_bool("chief_halves", False, "equivalence: only the chief's callback halves the "
+                  "learning rate (a `ReduceLROnPlateau` watching the chief's logs).")
 
 ROWS, BATCH = 128, 16
 
@@ -259,7 +262,8 @@ def main(argv):
             save(f"codec_state_reset{rank}.json", before=state, after=codec_state(model))
     else:
         callbacks = ([Ready()] if FLAGS.scenario == "long" else
-                     [halve_learning_rate()] if FLAGS.scenario == "equivalence" else [])
+                     [halve_learning_rate()] if FLAGS.scenario == "equivalence"
+                     and (rank == 0 or not FLAGS.chief_halves) else [])
         if rank == FLAGS.slow_rank:
             callbacks.append(Slow())
         history = model.fit(xs, ys, batch_size=BATCH, epochs=FLAGS.epochs, shuffle=False,
@@ -284,7 +288,10 @@ def main(argv):
               "tables_read_rows": [[e.read_rows for e in layout.tables]
                                    for layout in strategy.extended._layouts]
               if history.epoch else None,
-              "loss_scale": float(getattr(model.optimizer, "dynamic_scale", 0.0))}
+              "loss_scale": float(getattr(model.optimizer, "dynamic_scale", 0.0)),
+              # As a step reads it (eager reads of a joined worker's mirror read the master).
+              "learning_rate": float(tf.function(
+                  lambda: tf.identity(model.optimizer.learning_rate.value))())}
     if strategy.is_chief:
         stats = result["progress"]
         result.update(updates=stats["updates"], dropped=stats["dropped_gradients"],

@@ -54,7 +54,7 @@ flags.DEFINE_multi_string(
     "ps_import", [], "A module a ps task imports before it serves (repeatable): where custom "
     "optimizers, learning-rate schedules, constraints or staleness functions are registered "
     "(`@keras.saving.register_keras_serializable()`). A ps imports no module a worker names "
-    "but Keras's own and these: a custom optimizer's own module must be named too.")
+    "but Keras's and tfdist's own and these: a custom optimizer's own module must be named too.")
 flags.DEFINE_bool("local", False, "Start a whole cluster on this machine.")
 flags.DEFINE_integer("num_ps", 1, "With --local, --kubernetes or --kubernetes_manifest: "
                      "number of ps tasks (0 for an all-reduce or decentralised job).",

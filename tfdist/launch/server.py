@@ -172,9 +172,9 @@ def serve(config, threads=None, ready_callback=None, workers_gone=None, imports=
       ready_callback: called with the server's target once it serves.
       workers_gone: None, or a `WorkersGone` whose verdict also ends the task (with its exit
         code, and a line on stderr that says why).
-      imports: the modules named with `--ps_import`: besides Keras's own, the only modules a
-        worker's hello may ask the ps to import (custom optimizers, schedules, staleness
-        functions); a hello naming any other is answered with an error.
+      imports: the modules named with `--ps_import`: besides Keras's and tfdist's own, the
+        only modules a worker's hello may ask the ps to import (custom optimizers,
+        schedules, staleness functions); a hello naming any other is answered with an error.
     """
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set())

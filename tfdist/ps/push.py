@@ -350,6 +350,7 @@ class ModelPush(Push):
         self._bases = {}  # with compression: each shard's model at the last average
         # The tables averaged by rows (`tfdist.ps.averaged_rows`), and the rows each changed.
         self.rows = ChangedRows()
+        self._rates = []  # the mirror of the model's optimizer's learning rate, if a master
 
     def attach(self, engine):
         super().attach(engine)
@@ -367,8 +368,16 @@ class ModelPush(Push):
             if self.outer.building:
                 return protocol.OPTIMIZER  # the outer optimizer's state lives on the ps tasks
             self.outer.attach(optimizer)  # before a checkpoint restores it: in __init__
-        if optimizer is not None and not self.average_optimizer_state:
-            return None
+        if optimizer is not None:
+            name = kwargs.get("name") or ""
+            if _tf_compat.keras_optimizer_makes_learning_rate(name):
+                # A run-wide hyperparameter, never averaged: a master the chief's writes
+                # (a callback's new rate) reach, which every worker takes each round.
+                return protocol.OPTIMIZER
+            shape = getattr(kwargs.get("initial_value"), "shape", kwargs.get("shape"))
+            if not (self.average_optimizer_state
+                    and _tf_compat.keras_optimizer_slot(optimizer, name, shape)):
+                return None  # the step counter, a loss scale: each worker's own
         return (protocol.AVERAGE if tf.as_dtype(kwargs.get("dtype") or tf.float32).is_floating
                 else None)
 
@@ -434,6 +443,13 @@ class ModelPush(Push):
         layout = self.engine._layouts[shard]
         updates = [self.rows.take(part, ids, rows) for part, (ids, rows) in zip(
             self.engine._row_parts[shard], layout.reply_rows(values))]
+        if shard == 0 and self._rates:
+            # The learning rate is the master's (the chief's last write), read once the
+            # round's reply is here: when every worker's model makes a round, the chief's
+            # write before its push is seen by all (a scalar read a round, on ps task 0).
+            with tf.control_dependencies([values]):
+                updates += [rate.assign(rate.master_value(), read_value=False)
+                            for rate in self._rates]
         if self.engine._codec is not None:
             updates.append(self._base(shard).assign(values[:layout.main_size]))
         return updates
@@ -453,16 +469,21 @@ class ModelPush(Push):
         return logs
 
     def prepare_run(self, sparse):
-        """Tables averaged by rows are checked against the optimizer (`_check_rows`). With
-        an outer optimizer: builds this worker's copy of it, whose variables are
-        mirrors of masters, on the variables the model's optimizer trains, which it marks
-        `outer`. The rest (BatchNorm statistics, the optimizer's slots under
+        """Finds the learning rate's mirror (the workers' steps read it, each round takes
+        the master's) and checks the tables averaged by rows against the optimizer
+        (`_check_rows`). With an outer optimizer: builds this worker's copy of it, whose
+        variables are mirrors of masters, on the variables the model's optimizer trains,
+        which it marks `outer`. The rest (BatchNorm statistics, the optimizer's slots under
         `optimizer_state="averaged"`, tables averaged by rows) is averaged plainly."""
+        storage = _tf_compat.keras_variable_storage
+        rate = storage(_tf_compat.keras_optimizer_learning_rate(self.optimizer))
+        if isinstance(rate, MirrorVariable) and rate._tfdist_role == protocol.OPTIMIZER:
+            rate._tfdist_read_locally = True
+            self._rates = [rate]
         self._check_rows()
         if self.outer is None:
             return {}
         inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
-        storage = _tf_compat.keras_variable_storage
         trained = [v for v in _tf_compat.keras_optimizer_trained_variables(inner)
                    if isinstance(storage(v), MirrorVariable)
                    and storage(v)._tfdist_role == protocol.AVERAGE]

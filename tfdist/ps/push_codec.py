@@ -66,7 +66,8 @@ class PushCodec:
         return compression_lib.serialize(self.compressor)
 
     def attach(self, optimizer):
-        """Gives the Keras optimizer made under the strategy its codec state (to save)."""
+        """Gives the Keras optimizers made under the strategy their codec state (to save),
+        once put to use (`tfdist.compression.state.StateRegistry.attach`)."""
         self._states.attach(optimizer)
 
     def states(self):

@@ -45,6 +45,9 @@ from tfdist.ps.variables import is_initialized
 
 log = logging.getLogger("tfdist")
 
+# The packages whose modules a worker's spec may name without a `--ps_import`.
+OWN_MODULES = ("keras", "tfdist")
+
 
 class ShardRun:
     """One run of one shard: its resources, its members, its update loop's thread.
@@ -247,13 +250,33 @@ class ShardRun:
                     pass
 
 
+def claimed_sender(text):
+    """Who a control message says sent it, for the log line of a bad one: `" from
+    /job:worker/task:1 (rank 1, as it says)"`, `" from rank 5 (as it says)"`, or "" when it
+    does not say (not JSON, no integer rank). Any process can enqueue a message: this is
+    what the message claims, not who sent it."""
+    try:
+        message = wire.decode(text)
+    except (UnicodeDecodeError, ValueError):
+        return ""
+    rank = message.get("rank") if isinstance(message, dict) else None
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        return ""
+    spec = message.get("spec")
+    tasks = spec.get("worker_tasks") if isinstance(spec, dict) else None
+    if isinstance(tasks, list) and 0 <= rank < len(tasks) and isinstance(tasks[rank], str):
+        return f" from {tasks[rank]} (rank {rank}, as it says)"
+    return f" from rank {rank} (as it says)"
+
+
 def refused_import(spec, allowed):
     """None if every module the hello's `spec` asks the ps to import is allowed, else why not.
 
     A hello names modules (a custom optimizer's or schedule's, `spec.imports`) and
     `module:function` staleness functions; importing a module runs its code, and any process
-    that reaches the ps port can say hello. So the ps imports only Keras's own modules and
-    those named on its own command line (`allowed`: `--ps_import`, and their submodules).
+    that reaches the ps port can say hello. So the ps imports only Keras's and tfdist's own
+    modules and those named on its own command line (`allowed`: `--ps_import`, and their
+    submodules).
     """
     wanted = list(spec.imports)
     staleness = spec.policy.get("staleness") if isinstance(spec.policy, dict) else None
@@ -262,13 +285,13 @@ def refused_import(spec, allowed):
     for reference in wanted:
         module = str(reference).partition(":")[0]
         if not any(module == root or module.startswith(root + ".")
-                   for root in ("keras", *allowed)):
+                   for root in (*OWN_MODULES, *allowed)):
             return (f"the workers' spec asks the ps to import {module!r} (for "
                     f"{reference!r}), which was not named on the ps task's command line: a ps "
-                    f"imports only Keras's own modules and those given to it. Start the ps "
-                    f"tasks with `tfdist-launch --job_name=ps --ps_import={module}` "
+                    f"imports only Keras's and tfdist's own modules and those given to it. "
+                    f"Start the ps tasks with `tfdist-launch --job_name=ps --ps_import={module}` "
                     f"(`LocalCluster(..., ps_imports=[{module!r}])`). Allowed now: "
-                    f"{['keras', *allowed]}")
+                    f"{[*OWN_MODULES, *allowed]}")
     return None
 
 
@@ -351,7 +374,8 @@ class PSService:
                 check_rank(message["rank"], self.current.num_workers, "absent")
                 self.current.send_control(protocol.LEAVE, message["rank"])
         except BadControlMessage as e:
-            log.error("tfdist: %s: ignored a bad control message: %s", self.task, e)
+            log.error("tfdist: %s: ignored a bad control message%s: %s", self.task,
+                      claimed_sender(text), e)
         except Exception as e:
             log.exception("tfdist: %s: bad control message", self.task)
             if message is not None and message.get("type") == "hello":
@@ -370,7 +394,15 @@ class PSService:
             self._answer(message["rank"], {"nonce": message["nonce"], "error": problem})
             raise BadControlMessage(problem) from None
         rank = message["rank"]
-        check_rank(rank, spec.num_workers, "hello")
+        try:
+            check_rank(rank, spec.num_workers, "hello")
+        except BadControlMessage as e:
+            # A worker's own spec says how many workers there are: its TF_CONFIG is wrong.
+            # It waits for an answer: tell it why, or it would time out on a misleading one.
+            self._answer(rank, {"nonce": message["nonce"], "error": (
+                f"{e}: the worker's task index in TF_CONFIG must be one of the "
+                f"{spec.num_workers} workers its cluster lists")})
+            raise
         refused = refused_import(spec, self.imports)
         if refused is not None:
             log.error("tfdist: %s: refused the hello of rank %d: %s", self.task, rank, refused)

@@ -40,8 +40,11 @@ def in_replica_step():
 
 
 def _stands_for_master(variable):
+    # (A follower whose steps read its own copy stands for that copy: its callbacks read and
+    # write the learning rate its steps use, until the next round brings the master's.)
     return (bool(variable._tfdist_masters) and tf.executing_eagerly()
-            and not getattr(_state, "depth", 0))
+            and not getattr(_state, "depth", 0)
+            and (variable._tfdist_writable or not variable._tfdist_read_locally))
 
 
 class SharedVariable(_tf_compat.BaseResourceVariable):
@@ -93,6 +96,10 @@ class MirrorVariable(_tf_compat.ResourceVariable):
     _tfdist_masters = ()    # (master, rows) per part, in row order; rows None: whole
     _tfdist_copies = ()
     _tfdist_writable = True
+    # The worker's own steps read this copy (a learning rate under model averaging): when it
+    # follows, outside a step it stands for this copy, until the master's value is taken
+    # again.
+    _tfdist_read_locally = False
 
     @classmethod
     def create(cls, path, role, **kwargs):

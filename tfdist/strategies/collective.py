@@ -82,8 +82,8 @@ class _CompressedExchangeMixin:
         return getattr(self, "_id_in_cluster", 0) * len(self.worker_devices)
 
     def _create_variable(self, next_creator, **kwargs):
-        # An optimizer made under this strategy gets its codec state when it makes its
-        # first variable.
+        # An optimizer made under this strategy gets its codec state once it is put to use
+        # (`StateRegistry.attach`: anything made after it, or its build).
         if self._codec_states is not None:
             self._codec_states.attach(_tf_compat.keras_optimizer_in_scope())
         return super()._create_variable(next_creator, **kwargs)

@@ -45,6 +45,8 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
       replicas_to_aggregate: models per round; None for every worker.
       optimizer_state: "local" (each worker keeps its optimizer's slots, the default: momentum
         or Adam moments are not averaged) or "averaged" (the slots are averaged with the model).
+        Scalars are never averaged: the step count and a loss scale stay each worker's, the
+        learning rate has a master that worker 0's writes reach, taken at every round.
       compression: a `tfdist.compression` compressor (or its name / config) for the pushes:
         each worker then sends its model's change since the last average, compressed with
         its own residual, and the ps adds the mean decoded change to the master copy.
