@@ -60,13 +60,16 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
         variable, and the chief's Keras checkpoints (`ModelCheckpoint`,
         `BackupAndRestore`, `save_weights`) hold and restore it with the model's
         optimizer. `keras.optimizers.SGD(1.0)` gives plain averaging (up to rounding).
-      cluster, init_timeout, connect_timeout, inter_op_threads, variable_partitioner: as for
-        `SoftSyncStrategy` (averaging is elementwise: "auto" splits with any optimizer).
+      cluster, init_timeout, connect_timeout, inter_op_threads, variable_partitioner,
+        stall_timeout: as for `SoftSyncStrategy` (averaging is elementwise: "auto" splits
+        with any optimizer). A worker stopped between two rounds is dead `stall_timeout`
+        after it stopped answering, whether or not a round was waiting for it.
     """
 
     def __init__(self, period=1, replicas_to_aggregate=None, optimizer_state="local",
                  cluster=None, init_timeout=None, connect_timeout=None, inter_op_threads=1,
-                 compression=None, variable_partitioner="auto", outer_optimizer=None):
+                 compression=None, variable_partitioner="auto", outer_optimizer=None,
+                 stall_timeout=None):
         check_int("period", period, "an integer >= 1 (local steps between averaging rounds)",
                   low=1)
         if optimizer_state not in ("local", "averaged"):
@@ -78,7 +81,7 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
             self, n_of_m_policy(AveragingPolicy, replicas_to_aggregate), push, cluster=cluster,
             init_timeout=init_timeout, connect_timeout=connect_timeout,
             inter_op_threads=inter_op_threads, compression=compression,
-            variable_partitioner=variable_partitioner))
+            variable_partitioner=variable_partitioner, stall_timeout=stall_timeout))
 
     @property
     def period(self):
