@@ -311,10 +311,15 @@ class ProbePool:
 
     def __call__(self, targets):
         """`[answer]` of each `(address, task)` of `targets`, in order."""
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=_PROBE_THREADS, thread_name_prefix="tfdist-probe")
-        return list(self._pool.map(lambda target: self.probe(*target), targets))
+        try:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=_PROBE_THREADS, thread_name_prefix="tfdist-probe")
+            return list(self._pool.map(lambda target: self.probe(*target), targets))
+        except RuntimeError:
+            # The interpreter is shutting down (a worker leaving at exit names a lost ps):
+            # no new pool thread may start. One after the other, then.
+            return [self.probe(*target) for target in targets]
 
     def close(self):
         """Stops the probing threads and closes the probe's sessions."""
