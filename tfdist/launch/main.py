@@ -99,8 +99,8 @@ flags.DEFINE_string("kubernetes_manifest", None,
                     "and exit; uses --image, --k8s_kind, --name, --namespace, --port, "
                     "--num_ps, --num_workers, --cpu, --memory, --ps_cpu, --ps_memory, "
                     "--worker_retries, --max_failed_workers, --run_as_user, "
-                    "--connect_timeout, --exit_after_workers_gone and the command after "
-                    "`--`.")
+                    "--connect_timeout, --exit_after_workers_gone, --stall_timeout and the "
+                    "command after `--`.")
 flags.DEFINE_string("image", None, "With --kubernetes_manifest: the container image.")
 flags.DEFINE_enum("k8s_kind", "plain", ["plain", "tfjob"],
                   "With --kubernetes_manifest: two Indexed Jobs (ps, workers) + headless "
@@ -342,7 +342,8 @@ def _write_manifests(command):
             ps_memory=FLAGS.ps_memory, connect_timeout=FLAGS.connect_timeout or CONNECT_TIMEOUT,
             worker_retries=FLAGS.worker_retries, max_failed_workers=FLAGS.max_failed_workers,
             exit_after_workers_gone=FLAGS.exit_after_workers_gone or WORKERS_GONE_GRACE,
-            run_as_user=_run_as_user(), ps_imports=FLAGS.ps_import)
+            run_as_user=_run_as_user(), ps_imports=FLAGS.ps_import,
+            stall_timeout=FLAGS.stall_timeout)
     except ValueError as e:
         raise app.UsageError(_as_flags(str(e))) from None
     text = to_yaml(docs, header=(
