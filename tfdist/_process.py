@@ -42,3 +42,102 @@ def end_with_last_word(code=1):
         except (OSError, ValueError):
             pass
     os._exit(code)
+
+
+# The fuse's process: stdlib only (it starts in milliseconds, without TensorFlow). Each line
+# on its stdin re-arms it: "<seconds>\t<last word>". With no line for that long, it writes the
+# last word to its stderr (the worker's) and SIGKILLs the worker, unless the worker is
+# stopped (SIGSTOP, ^Z, a debugger: its threads do not run, but nothing waits in vain; the
+# count starts again); it ends when stdin closes
+# (the worker ended, however it ended: only the worker holds the pipe's other end).
+_FUSE_PROGRAM = r"""
+import os, select, signal, sys, time
+target = int(sys.argv[1])
+seconds, word, buffered = None, "", b""
+deadline = None
+while True:
+    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+    ready, _, _ = select.select([0], [], [], wait)
+    if not ready:
+        try:
+            with open(f"/proc/{target}/stat") as stat:
+                state = stat.read().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            state = "?"
+        if state in ("T", "t"):  # stopped (SIGSTOP, ^Z, a debugger): not frozen; wait on
+            deadline = time.monotonic() + float(seconds)
+            continue
+        sys.stderr.write(word + "\n")
+        sys.stderr.flush()
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        break
+    chunk = os.read(0, 65536)
+    if not chunk:
+        break
+    buffered += chunk
+    *lines, buffered = buffered.split(b"\n")
+    for line in lines:
+        text = line.decode("utf-8", "replace")
+        if text == "disarm":
+            deadline = None
+        else:
+            seconds, _, word = text.partition("\t")
+            deadline = time.monotonic() + float(seconds)
+"""
+
+
+class LastWordFuse:
+    """Ends a process whose Python threads cannot run, with a last word on its stderr.
+
+    A thread that watches for a fault (`tfdist.ps.connection.PSWatchdog`) cannot act while
+    another thread holds Python's lock in a call that never returns: TensorFlow registers
+    each newly traced function on the remote tasks and waits for them while holding it, so
+    a stopped ps freezes every Python thread of its workers. The fuse is a small child
+    process (no TensorFlow) that the watcher re-arms at every round with `arm(seconds,
+    word)`: if no round re-arms it within `seconds`, it writes `word` on the process's
+    stderr and SIGKILLs it. A process that is itself stopped (SIGSTOP, ^Z, a debugger) is
+    left alone, its count starting again (Linux: its state in /proc). It ends with the
+    process (its stdin closes), or with `close()`.
+
+    Args:
+      target: the process id to end (None: this process).
+      stderr: where the last word goes (None: this process's stderr; a test's pipe).
+    """
+
+    def __init__(self, target=None, stderr=None):
+        import subprocess
+
+        target = os.getpid() if target is None else target
+        self._child = subprocess.Popen(
+            [sys.executable, "-c", _FUSE_PROGRAM, str(target)], stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL, stderr=stderr, close_fds=True)
+
+    def _send(self, line):
+        try:
+            self._child.stdin.write(line.encode("utf-8") + b"\n")
+            self._child.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass  # the fuse has gone off, or was closed
+
+    def arm(self, seconds, word):
+        """Ends the process with `word` unless `arm` or `disarm` is called within
+        `seconds`."""
+        self._send(f"{seconds!r}\t{' '.join(word.splitlines())}")
+
+    def disarm(self):
+        self._send("disarm")
+
+    def close(self):
+        """Disarms the fuse and ends its process."""
+        try:
+            self._child.stdin.close()
+        except (BrokenPipeError, ValueError):
+            pass
+        try:
+            self._child.wait(timeout=5)
+        except Exception:  # noqa: BLE001 - a fuse that does not end is killed
+            self._child.kill()
+            self._child.wait()

@@ -230,7 +230,7 @@ class ManifestTest(tf.test.TestCase, parameterized.TestCase):
 
     def test_yaml_documents(self):
         docs = manifests("digits", "me/train:1", ["python", "train.py"], cpu=2,
-                         env={"DEBUG": "true", "SEED": "007", "EMPTY": ""})
+                         env={"DEBUG": "true", "SEED": "007", "EMPTY": ""}, stall_timeout=90)
         text = to_yaml(docs, header="a job\nof two lines")
         self.assertTrue(text.startswith("# a job\n# of two lines\n---\n"), text[:80])
         self.assertEqual(text.count("\n---\n"), len(docs))
@@ -241,6 +241,8 @@ class ManifestTest(tf.test.TestCase, parameterized.TestCase):
         env = {e["name"]: e["value"] for e in
                _by_kind(parsed)["Job/worker"]["spec"]["template"]["spec"]["containers"][0]["env"]}
         self.assertEqual((env["DEBUG"], env["SEED"], env["EMPTY"]), ("true", "007", ""))
+        # stall_timeout reaches the workers' strategies as their default.
+        self.assertEqual(env["TFDIST_STALL_TIMEOUT"], "90.0")
 
     @parameterized.named_parameters(
         ("name_digit_first", {"name": "9digits"}, "`name` must be a DNS label.*starting with a "
@@ -260,6 +262,8 @@ class ManifestTest(tf.test.TestCase, parameterized.TestCase):
         ("memory_gb", {"memory": "4GB"}, r"`memory` must be.*Received: '4GB'"),
         ("ps_memory", {"ps_memory": "lots"}, r"`ps_memory` must be.*Received: 'lots'"),
         ("connect_timeout", {"connect_timeout": 0}, "`connect_timeout` must be a positive"),
+        ("stall_timeout", {"stall_timeout": -5}, r"`stall_timeout` must be a positive number "
+                                                 r"of seconds or None. Received: -5"),
         ("retries", {"worker_retries": -1}, "`worker_retries` must be an integer >= 0"),
         ("root", {"run_as_user": 0}, r"`run_as_user` must be a user id >= 1.*Received: 0"),
         ("tfjob_max_failed", {"kind": "tfjob", "max_failed_workers": 1},

@@ -18,6 +18,15 @@ from tfdist.launch import LocalCluster
 # Deadline of every run in this file: no test can hang longer.
 RUN_TIMEOUT = 60
 
+# A worker's bare TensorFlow server, serving until its stdin closes.
+WORKER_SERVER = """
+import sys
+import tensorflow as tf
+server = tf.distribute.Server(tf.train.ClusterSpec({"worker": [sys.argv[1]]}),
+                              job_name="worker", task_index=0)
+sys.stdin.read()
+"""
+
 
 def _state(pid):
     """A process's state and where in the kernel it waits, for failure messages."""
@@ -271,6 +280,8 @@ class LauncherCliTest(tf.test.TestCase):
              r"--exit_after_workers_gone must be a positive number of seconds"),
             (["--job_name=worker", "--worker_hosts=a:1", "--connect_timeout=-1", "--", "true"],
              r"--connect_timeout must be a positive number of seconds"),
+            (["--job_name=worker", "--worker_hosts=a:1", "--stall_timeout=0", "--", "true"],
+             r"--stall_timeout must be a positive number of seconds"),
         ]:
             result = self._run(*args)
             self.assertNotEqual(result.returncode, 0, args)
@@ -338,53 +349,64 @@ class LauncherCliTest(tf.test.TestCase):
                 process.wait()
 
     def test_ps_form_exits_once_its_workers_are_gone(self):
-        # With --exit_after_workers_gone a ps keeps serving while its worker (a bare listening
-        # socket here) listens, and exits 0 by itself once the worker is gone, as a Kubernetes
-        # ps pod does when its job's workers are done. (That a ps ends with 0 on SIGTERM is
-        # checked by server_test.py, whose cluster's ps tasks the launcher stops so.)
+        # With --exit_after_workers_gone a ps keeps serving while its worker (a bare
+        # TensorFlow server in a child process) answers, and exits 0 by itself once the
+        # worker is gone, as a Kubernetes ps pod does when its job's workers are done. Gone
+        # is "does not answer an RPC": the worker is stopped with SIGSTOP, its port still
+        # accepting connections. (That a ps ends with 0 on SIGTERM is checked by
+        # server_test.py, whose cluster's ps tasks the launcher stops so.) Cost: the ps and
+        # the worker start together (TensorFlow's import), then about 5 s.
         from tfdist.cluster import pick_free_ports
 
         ps_port, worker_port = pick_free_ports(2)
         address = f"localhost:{ps_port}"
+        worker = subprocess.Popen(
+            [sys.executable, "-c", WORKER_SERVER, f"localhost:{worker_port}"],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
         process = subprocess.Popen(
             [sys.executable, "-m", "tfdist.launch", "--job_name=ps", f"--ps_hosts={address}",
              f"--worker_hosts=localhost:{worker_port}", "--exit_after_workers_gone=1",
              "--connect_timeout=60"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        worker = socket.create_server(("localhost", worker_port))
         try:
-            seen = _line_within(process.stderr, "has listened", timeout=60)
-            self.assertIn("every training task (1) has listened; the ps exits once none has "
+            seen = _line_within(process.stderr, "has answered", timeout=RUN_TIMEOUT)
+            self.assertIn("every training task (1) has answered; the ps exits once none has "
                           "for 1 s", seen)
             time.sleep(2)  # two grace periods with the worker there: still serving
             self.assertIsNone(process.poll())
             self.assertTrue(is_listening(address))
-            worker.close()
+            os.kill(worker.pid, signal.SIGSTOP)  # a hung worker: its port stays open
             self.assertEqual(process.wait(timeout=30), 0)
+            self.assertTrue(is_listening(f"localhost:{worker_port}"))
             self.assertIn("every training task has come and gone", process.stderr.read())
         finally:
-            worker.close()
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+            for child in (worker, process):
+                if child.poll() is None:
+                    os.kill(child.pid, signal.SIGCONT)
+                    child.kill()
+                child.wait()
+            worker.stdin.close()
+            process.stderr.close()
         self.assertFalse(is_listening(address))
 
     def test_worker_form_waits_for_its_ps_with_connect_timeout(self):
         # A worker given --connect_timeout runs its command once the ps tasks answer (here a
-        # bare listening socket), with the strategies' default timeouts exported; without
+        # bare listening socket), with the strategies' default timeouts exported (and
+        # --stall_timeout as TFDIST_STALL_TIMEOUT); without
         # them it exits 69 (EX_UNAVAILABLE) instead of starting the command.
         from tfdist.cluster import pick_free_ports
 
         ps_port, other_port, worker_port = pick_free_ports(3)
         code = ("import os; print('RAN', os.environ['TFDIST_CONNECT_TIMEOUT'], "
-                "os.environ['TFDIST_INIT_TIMEOUT'])")
+                "os.environ['TFDIST_INIT_TIMEOUT'], os.environ['TFDIST_STALL_TIMEOUT'])")
         args = ["--job_name=worker", f"--worker_hosts=localhost:{worker_port}",
-                "--connect_timeout=2.5"]
+                "--connect_timeout=2.5", "--stall_timeout=7"]
         with socket.create_server(("localhost", ps_port)):
             ok = self._run(*args, f"--ps_hosts=localhost:{ps_port}", "--", sys.executable,
                            "-c", code)
         self.assertEqual(ok.returncode, 0, ok.stderr)
-        self.assertEqual(ok.stdout.split(), ["RAN", "2.5", "2.5"])
+        self.assertEqual(ok.stdout.split(), ["RAN", "2.5", "2.5", "7.0"])
         missing = self._run(*args, f"--ps_hosts=localhost:{other_port}", "--", sys.executable,
                             "-c", code)
         self.assertEqual(missing.returncode, 69, missing.stderr)

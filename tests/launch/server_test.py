@@ -182,13 +182,13 @@ class WorkersGoneTest(tf.test.TestCase):
         watch = self._watch(listening, now, log=logged.append)
         listening |= {"w0:1", "w1:1"}
         self.assertIsNone(self._at(watch, now, 5))
-        self.assertEqual(logged, ["every training task (2) has listened; the ps exits once "
+        self.assertEqual(logged, ["every training task (2) has answered; the ps exits once "
                                   "none has for 10 s"])
         listening.clear()
         self.assertIsNone(self._at(watch, now, 14.9))  # quiet for 9.9 s only
         code, reason = self._at(watch, now, 15)
         self.assertEqual(code, 0)
-        self.assertIn("every training task has come and gone (none listened for 10 s)", reason)
+        self.assertIn("every training task has come and gone (none answered for 10 s)", reason)
 
     def test_a_restarted_worker_keeps_the_ps(self):
         listening, now = {"w0:1", "w1:1"}, [0.0]
@@ -213,7 +213,7 @@ class WorkersGoneTest(tf.test.TestCase):
         code, reason = self._at(watch, now, 110)
         self.assertEqual(code, 0)
         self.assertIn("1 of 2 training tasks came and went", reason)
-        self.assertIn("/job:worker/task:1 at w1:1 never listened within 110 s", reason)
+        self.assertIn("/job:worker/task:1 at w1:1 never answered within 110 s", reason)
 
     def test_exits_1_when_no_worker_ever_listened(self):
         listening, now = set(), [0.0]
@@ -221,7 +221,7 @@ class WorkersGoneTest(tf.test.TestCase):
         self.assertIsNone(self._at(watch, now, 109))
         code, reason = self._at(watch, now, 111)
         self.assertEqual(code, 1)
-        self.assertIn("no training task listened within 111 s of the ps's start "
+        self.assertIn("no training task answered within 111 s of the ps's start "
                       "(/job:worker/task:0 at w0:1 (and 1 more))", reason)
 
     def test_probes_go_out_together(self):

@@ -8,8 +8,9 @@ restarted on the same port it answers; killed, nothing listens. Cost: two child 
 one after the other (about 5 s each on an idle 2-core machine, most of it importing
 TensorFlow; 40 s at nice 19 on a loaded one, load average 7-15).
 
-`LivenessWatcherTest` drives the watcher's rounds with a scripted probe and clock, in
-milliseconds.
+`LivenessWatcherTest` drives the watcher's rounds (a ps's view of its workers), and
+`PSWatchdogTest` the watchdog's (a worker's view of its ps tasks), with a scripted probe and
+clock, in milliseconds.
 """
 
 import os
@@ -25,6 +26,7 @@ import tensorflow as tf
 
 from tfdist.cluster import pick_free_ports
 from tfdist.ps import protocol
+from tfdist.ps.connection import PSWatchdog
 from tfdist.ps.membership import ANSWERED
 from tfdist.ps.membership import GONE
 from tfdist.ps.membership import STALLED
@@ -131,6 +133,8 @@ class ScriptedProbe:
     """Answers what `answers[address]` says (default ANSWERED); a probe of an address in
     `meet` first waits at that barrier."""
 
+    timeout = 2.0  # a ServerProbe's deadline
+
     def __init__(self):
         self.answers, self.errors, self.meet = {}, {}, {}
 
@@ -145,13 +149,13 @@ class ScriptedProbe:
 
 class FakeRun:
 
-    def __init__(self, statuses, init_timeout=100.0):
+    def __init__(self, statuses, init_timeout=100.0, stall_timeout=30.0):
         n = len(statuses)
         self.run, self.created, self.finished = "r1", 0.0, threading.Event()
         self.spec = types.SimpleNamespace(
             worker_addresses=[f"host:{i}" for i in range(n)],
             worker_tasks=[f"/job:worker/task:{i}" for i in range(n)],
-            init_timeout=init_timeout)
+            init_timeout=init_timeout, stall_timeout=stall_timeout)
         self.members = Membership(n, threading.Lock())
         self.members.status[:] = statuses
         self.told, self.stalls = [], {}
@@ -162,12 +166,11 @@ class FakeRun:
 
 class LivenessWatcherTest(tf.test.TestCase):
 
-    def watcher(self, run, stall_timeout=30.0, misses_to_dead=4):
+    def watcher(self, run, misses_to_dead=4):
         self.now = 0.0
         self.probe = ScriptedProbe()
         watcher = LivenessWatcher(lambda: run, interval=0.5, misses_to_dead=misses_to_dead,
-                                  stall_timeout=stall_timeout, probe=self.probe,
-                                  clock=lambda: self.now)
+                                  probe=self.probe, clock=lambda: self.now)
         self.addCleanup(watcher.close)
         return watcher
 
@@ -176,9 +179,9 @@ class LivenessWatcherTest(tf.test.TestCase):
             watcher.poll()
             self.now += step
 
-    def test_a_stalled_worker_dies_after_stall_timeout_a_slow_one_never(self):
-        run = FakeRun([LIVE, LIVE])
-        watcher = self.watcher(run, stall_timeout=30.0)
+    def test_a_stalled_worker_dies_after_the_runs_stall_timeout_a_slow_one_never(self):
+        run = FakeRun([LIVE, LIVE], stall_timeout=30.0)  # the job's value, from its spec
+        watcher = self.watcher(run)
         self.poll_until(watcher, 10.0)
         self.probe.answers["host:1"] = STALLED  # stopped at t=10 s
         self.poll_until(watcher, 39.5)
@@ -191,7 +194,7 @@ class LivenessWatcherTest(tf.test.TestCase):
 
     def test_a_worker_that_answers_within_stall_timeout_stays(self):
         run = FakeRun([LIVE])
-        watcher = self.watcher(run, stall_timeout=30.0)
+        watcher = self.watcher(run)
         for _ in range(5):  # answers once every 25 s (a slow machine): never cut off
             self.probe.answers["host:0"] = STALLED
             self.poll_until(watcher, self.now + 25.0)
@@ -201,7 +204,7 @@ class LivenessWatcherTest(tf.test.TestCase):
 
     def test_a_killed_worker_dies_after_misses_to_dead_probes(self):
         run = FakeRun([LIVE, LIVE])
-        watcher = self.watcher(run, stall_timeout=30.0, misses_to_dead=4)
+        watcher = self.watcher(run, misses_to_dead=4)
         self.poll_until(watcher, 1.0)
         self.probe.answers["host:0"] = GONE
         self.poll_until(watcher, self.now + 1.5)  # 3 misses
@@ -212,7 +215,7 @@ class LivenessWatcherTest(tf.test.TestCase):
 
     def test_a_worker_never_seen_dies_after_init_timeout(self):
         run = FakeRun([LIVE, EXPECTED], init_timeout=100.0)
-        watcher = self.watcher(run, stall_timeout=30.0)
+        watcher = self.watcher(run)
         self.probe.answers["host:1"] = STALLED
         self.poll_until(watcher, 99.5)
         self.assertEqual(run.told, [])
@@ -231,9 +234,83 @@ class LivenessWatcherTest(tf.test.TestCase):
         watcher.poll()
         self.assertEqual(run.told, [(protocol.DEAD, 2)])
 
-    def test_stall_timeout_is_checked(self):
-        with self.assertRaisesRegex(ValueError, "`stall_timeout` must be a positive"):
-            LivenessWatcher(lambda: None, 0.5, 4, stall_timeout=-1)
+
+class PSWatchdogTest(tf.test.TestCase):
+    """A worker's view of its ps tasks, with a scripted probe and clock."""
+
+    def watchdog(self, stall_timeout=4.0):
+        self.now = 0.0
+        self.probe = ScriptedProbe()
+        self.ended = []
+        connection = types.SimpleNamespace(ps_addresses=["ps0:1", "ps1:1"],
+                                           ps_names=["/job:ps/task:0", "/job:ps/task:1"])
+        watchdog = PSWatchdog(connection, stall_timeout, self.ended.append, probe=self.probe,
+                              clock=lambda: self.now, fuse=False)
+        self.addCleanup(watchdog._probes.close)
+        return watchdog
+
+    def poll_until(self, watchdog, until, step=1.0):
+        found = []
+        while self.now < until and not found:
+            found = watchdog.poll()
+            self.now += step
+        return found
+
+    def test_a_ps_silent_for_stall_timeout_is_named_a_slow_one_never(self):
+        watchdog = self.watchdog(stall_timeout=4.0)
+        self.assertEqual(self.poll_until(watchdog, 3.0), [])
+        self.probe.answers["ps1:1"] = STALLED  # stopped at t=3 s
+        self.probe.errors["ps1:1"] = "DeadlineExceededError: Deadline Exceeded"
+        self.assertEqual(self.poll_until(watchdog, 7.0), [])  # silent 3 s: not yet
+        self.probe.answers["ps1:1"] = ANSWERED  # slow, but it answered
+        self.assertEqual(self.poll_until(watchdog, 8.0), [])
+        self.probe.answers["ps1:1"] = STALLED
+        self.assertEqual(self.poll_until(watchdog, 12.0), [])
+        (stalled,) = self.poll_until(watchdog, 20.0)
+        self.assertEqual(stalled[:2], ("/job:ps/task:1", "ps1:1"))
+        self.assertEqual(stalled[2], "no answer for 5 s, stall_timeout=4 s; "
+                                     "DeadlineExceededError: Deadline Exceeded")
+
+    def test_the_fuses_last_word_names_the_silent_ps_tasks(self):
+        # What the fuse writes if the watchdog's thread cannot run any more (another thread
+        # holds Python's lock, waiting on a stopped ps): the tasks silent in the last round,
+        # or every ps task when all answered it.
+        watchdog = self.watchdog(stall_timeout=4.0)
+        watchdog.poll()
+        self.assertRegex(watchdog.last_word(), r"^tfdist: /job:ps/task:0 at ps0:1 or "
+                                               r"/job:ps/task:1 at ps1:1 stopped answering \(")
+        self.probe.answers["ps1:1"] = STALLED
+        self.now = 1.0
+        watchdog.poll()
+        self.assertEqual(
+            watchdog.last_word(),
+            "tfdist: /job:ps/task:1 at ps1:1 stopped answering (this worker's Python threads "
+            "have not run for 10 s: a TensorFlow call waiting on the ps holds Python's lock; "
+            "stall_timeout=4 s): its shard of the master variables is gone, and no worker can "
+            "train on without it. Restart the job; the chief's last checkpoint holds the model")
+
+    def test_its_thread_calls_on_stall_once_and_stops(self):
+        watchdog = self.watchdog(stall_timeout=0.2)
+        watchdog._clock = time.monotonic
+        watchdog.interval = 0.05
+        self.probe.answers["ps0:1"] = GONE
+        watchdog.start()
+        watchdog._thread.join(HANG_BOUND)
+        self.assertFalse(watchdog._thread.is_alive())
+        self.assertLen(self.ended, 1)
+        self.assertEqual([task for task, _, _ in self.ended[0]], ["/job:ps/task:0"])
+
+    def test_stop_ends_its_thread(self):
+        # A worker that left its run stops watching: its thread ends, nothing is called.
+        watchdog = self.watchdog(stall_timeout=HANG_BOUND)
+        watchdog._clock = time.monotonic
+        watchdog.interval = 0.05
+        self.probe.answers["ps0:1"] = STALLED
+        watchdog.start()
+        watchdog.stop()
+        watchdog._thread.join(HANG_BOUND)
+        self.assertFalse(watchdog._thread.is_alive())
+        self.assertEqual(self.ended, [])
 
 
 if __name__ == "__main__":

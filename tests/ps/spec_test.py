@@ -37,7 +37,8 @@ class SpecTest(tf.test.TestCase):
                 "num_ps": 1, "shard": 0, "variables": entries,
                 "optimizer": {"class_name": "SGD", "config": {"learning_rate": 0.1}},
                 "outer_optimizer": None, "imports": ["my.module"], "compression": None,
-                "delta": False, "init_timeout": 30.0, "table_updates": "lazy"}
+                "delta": False, "init_timeout": 30.0, "stall_timeout": 5.0,
+                "table_updates": "lazy"}
         typed = ShardSpec.from_json(sent)
         self.assertEqual(typed.to_json(), sent)
         self.assertEqual(ShardSpec.from_json(typed.to_json()), typed)
@@ -47,6 +48,16 @@ class SpecTest(tf.test.TestCase):
         self.assertEqual(kernel.shape, (4, 3))
         # A table kept on the ps: its part's rows, trained there.
         self.assertEqual((kept.rows, kept.table, kept.trainable), ((5, 10), True, True))
+
+    def test_stall_timeout_travels_and_is_checked(self):
+        # A worker of an earlier release sends no stall_timeout: the default counts.
+        sent = spec([]).to_json()
+        del sent["stall_timeout"]
+        self.assertEqual(ShardSpec.from_json(sent).stall_timeout, 60.0)
+        for bad in (0, -1.0, float("inf"), "5", True, None):
+            with self.assertRaisesRegex(ValueError, r"`stall_timeout` must be a positive "
+                                                    r"number of seconds. Received: "):
+                spec([], stall_timeout=bad)
 
     def test_an_unknown_role_is_refused_by_name(self):
         with self.assertRaisesRegex(ValueError, r"the role of variable 'v' must be one of "

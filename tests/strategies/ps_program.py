@@ -8,6 +8,9 @@ Scenarios:
   long         train long enough to be killed mid-run; print READY after the first epoch.
   checkpoint   BackupAndRestore on every worker (own directory), ModelCheckpoint on the
                chief; with --crash_after_epoch the chief dies after that epoch.
+  (any)        with --stop_rank, that worker stops itself (SIGSTOP) after its first epoch;
+               with --slow_rank, that worker sleeps after each step and pauses after its
+               first epoch.
   restart      the chief is SIGKILLed while it waits for a reply and started again (with
                `--strategy=async --strategy_arg=max_staleness=4 --strategy_arg=on_stale='wait'`,
                see `test_a_restarted_chief_takes_only_its_own_replies`).
@@ -15,6 +18,7 @@ Scenarios:
 
 import json
 import os
+import signal
 import time
 
 import keras  # noqa: E402
@@ -46,6 +50,8 @@ flags.DEFINE_integer("slow_rank", -1, "A worker that sleeps after each step.")
 flags.DEFINE_float("slow_delay", 0.05, "Its sleep, in seconds.")
 flags.DEFINE_float("pause", 0.0, "The slow worker's pause after its first epoch, in seconds "
                    "(a long validation or checkpoint: no push meanwhile).")
+flags.DEFINE_integer("stop_rank", -1, "A worker that stops itself with SIGSTOP after its "
+                     "first epoch, printing STOPPING (a hung process: its port stays open).")
 flags.DEFINE_integer("steps_per_execution", 1, "Keras `steps_per_execution`.")
 flags.DEFINE_bool("frozen", False, "async: a staleness function that zeroes every update.")
 flags.DEFINE_bool("chief_halves", False, "equivalence: only the chief's callback halves the "
@@ -164,6 +170,13 @@ class Slow(keras.callbacks.Callback):
             time.sleep(FLAGS.pause)
 
 
+class StopSelf(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            print("STOPPING", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
 class Ready(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if epoch == 0:
@@ -266,6 +279,8 @@ def main(argv):
                      and (rank == 0 or not FLAGS.chief_halves) else [])
         if rank == FLAGS.slow_rank:
             callbacks.append(Slow())
+        if rank == FLAGS.stop_rank:
+            callbacks.append(StopSelf())
         history = model.fit(xs, ys, batch_size=BATCH, epochs=FLAGS.epochs, shuffle=False,
                             verbose=0, callbacks=callbacks)
     strategy.join()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -17,7 +18,8 @@ RUN_TIMEOUT = 300
 
 def make_cluster(out_dir, num_workers, *flags, **kwargs):
     """A local cluster running `program` (default `ps_program.py`) on every worker."""
-    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           **kwargs.pop("env", {})}
     program = kwargs.pop("program", PROGRAM)
     # A ps task's start (TensorFlow's import) takes 5 s on quiet cores and far longer on
     # loaded ones: a bound against a hang, not a timing.
@@ -25,6 +27,17 @@ def make_cluster(out_dir, num_workers, *flags, **kwargs):
     return LocalCluster([sys.executable, program, f"--out_dir={out_dir}", *flags],
                         num_ps=kwargs.pop("num_ps", 1), num_workers=num_workers,
                         timeout=RUN_TIMEOUT, output=None, env=env, **kwargs)
+
+
+def end_stopped(cluster, task):
+    """Ends `task`, stopped with SIGSTOP (or not): SIGCONT, then SIGKILL (a stopped process
+    holds a SIGTERM until it runs again)."""
+    pid = cluster.pid(task)
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
 
 
 def load_result(out_dir, name):

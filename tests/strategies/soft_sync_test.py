@@ -347,8 +347,88 @@ class FaultTest(tf.test.TestCase, parameterized.TestCase):
             # The named error is the worker's last line: no TensorFlow teardown noise after it.
             last = [line for line in task_lines(cluster, f"worker:{rank}").splitlines()
                     if line.strip()][-1]
-            self.assertRegex(last, r"/job:ps/task:1 at localhost:\d+ stopped answering: its "
-                                   r"shard .* is gone", cluster_log(cluster))
+            self.assertRegex(last, r"/job:ps/task:1 at localhost:\d+ stopped answering "
+                                   r"\(nothing accepts connections there\): its shard .* is "
+                                   r"gone", cluster_log(cluster))
+
+
+class StallTest(tf.test.TestCase):
+    """Hung processes (SIGSTOP: the port stays open, nothing answers) with a short
+    stall_timeout: a stopped worker is dead after it, a stopped ps ends its workers, a
+    paused worker is never cut off. Every stopped task is sent SIGCONT, then SIGKILL, as
+    soon as the test is done with it. Cost: three small clusters (3 + 2 + 1 workers, one ps
+    each): 144 to 357 s in all over six runs at load 8-15 on 2 cores (soft sync 44-175 s, hard
+    sync 32-166 s, the stopped ps 24-123 s), most of it starting TensorFlow processes."""
+
+    def test_soft_sync_goes_on_without_a_stopped_worker_and_keeps_a_paused_one(self):
+        # Soft sync 2 of 3, stall_timeout=4 s (a strategy argument). Worker 2 stops itself
+        # after its first epoch; worker 1 sleeps 6 s after its own (longer than the
+        # stall_timeout and the probe's 2 s deadline, its server answering all along).
+        # Workers 0 and 1 train every epoch; the chief's join() returns, worker 2 dead.
+        out = self.get_temp_dir()
+        with make_cluster(out, 3, "--scenario=long", "--epochs=8", "--stop_rank=2",
+                          "--slow_rank=1", "--slow_delay=0", "--pause=6",
+                          "--strategy_arg=replicas_to_aggregate=2",
+                          "--strategy_arg=stall_timeout=4", stop_on_failure=False) as cluster:
+            try:
+                wait_for_line(cluster, "STOPPING")
+                for rank in (0, 1):
+                    ps_program.wait_for_file(os.path.join(out, f"worker{rank}.json"), 150)
+            finally:
+                ps_testing.end_stopped(cluster, "worker:2")
+            result = cluster.wait()
+        log = "\n".join(f"[{task}] {line}" for task, line in cluster.lines)
+        self.assertEqual(result.failed_task, "worker:2", cluster_log(cluster))
+        for rank in (0, 1):
+            self.assertEqual(result.task_returncodes[f"worker:{rank}"], 0, cluster_log(cluster))
+            survived = load_result(out, f"worker{rank}.json")
+            self.assertEqual(len(survived["history"]["loss"]), 8)
+            self.assertEqual(survived["progress"]["dead"], [2])  # worker 1 never was
+        self.assertRegex(log, r"/job:worker/task:2 at localhost:\d+ stopped answering \(no "
+                              r"answer for \d+ s, stall_timeout=4 s; DeadlineExceeded")
+        self.assertNotRegex(log, r"/job:worker/task:[01] at localhost:\d+ stopped answering")
+
+    def test_hard_sync_names_a_stopped_worker(self):
+        out = self.get_temp_dir()
+        with make_cluster(out, 2, "--scenario=long", "--epochs=40", "--stop_rank=1",
+                          "--strategy_arg=stall_timeout=4", stop_on_failure=False) as cluster:
+            try:
+                wait_for_line(cluster, "STOPPING")
+                wait_for_line(cluster, "with replicas_to_aggregate equal to the number")
+            finally:
+                ps_testing.end_stopped(cluster, "worker:1")
+            result = cluster.wait()
+        self.assertNotEqual(result.task_returncodes["worker:0"], 0, cluster_log(cluster))
+        self.assertRegex(task_lines(cluster, "worker:0"),
+                         r"/job:worker/task:1 at localhost:\d+ stopped answering \(no answer "
+                         r"for \d+ s, stall_timeout=4 s; .*\), and with replicas_to_aggregate "
+                         r"equal to the number of workers")
+
+    def test_a_stopped_ps_ends_its_worker_with_its_name(self):
+        # stall_timeout from the environment, as `tfdist-launch --stall_timeout` sets it. The
+        # ps stops as the worker ends its first epoch: its next one traces a function, which
+        # TensorFlow registers on the ps holding Python's lock, so the watchdog's thread
+        # cannot run and its fuse ends the worker (the watchdog itself, when a step waits).
+        out = self.get_temp_dir()
+        with make_cluster(out, 1, "--scenario=long", "--epochs=400", stop_on_failure=False,
+                          env={"TFDIST_STALL_TIMEOUT": "4"}) as cluster:
+            try:
+                wait_for_line(cluster, "READY")
+                os.kill(cluster.pid("ps:0"), signal.SIGSTOP)
+                stopped_at = time.monotonic()
+                wait_for_line(cluster, "stopped answering")
+                took = time.monotonic() - stopped_at
+            finally:
+                ps_testing.end_stopped(cluster, "ps:0")
+            result = cluster.wait()
+        self.assertNotEqual(result.task_returncodes["worker:0"], 0, cluster_log(cluster))
+        self.assertLess(took, 60, "the worker should end within seconds, not hang")
+        # The named error is the worker's last line.
+        last = [line for line in task_lines(cluster, "worker:0").splitlines()
+                if line.strip()][-1]
+        self.assertRegex(last, r"/job:ps/task:0 at localhost:\d+ stopped answering \(.*"
+                               r"stall_timeout=4 s.*\): its shard of the master variables is "
+                               r"gone", cluster_log(cluster))
 
 
 def task_lines(cluster, task):
@@ -509,6 +589,17 @@ class ConstructionTest(tf.test.TestCase):
     def test_bad_timeouts(self):
         with self.assertRaisesRegex(ValueError, "`init_timeout` must be a positive number"):
             tfdist.strategies.SoftSyncStrategy(cluster=self._config(), init_timeout=0)
+        # stall_timeout, an argument of every parameter-server strategy (or the launcher's
+        # environment), is checked before any connection.
+        for name in ("soft_sync", "async", "model_averaging"):
+            for bad in (0, -3, float("inf"), True, "5"):
+                with self.assertRaisesRegex(ValueError, r"`stall_timeout` must be a positive "
+                                                        r"number of seconds. Received: "):
+                    tfdist.strategies.get(name, cluster=self._config(), stall_timeout=bad)
+        with mock.patch.dict(os.environ, {"TFDIST_STALL_TIMEOUT": "soon"}):
+            with self.assertRaisesRegex(ValueError, r"environment variable TFDIST_STALL_TIMEOUT "
+                                                    r"must be a positive number of seconds"):
+                tfdist.strategies.SoftSyncStrategy(cluster=self._config())
 
     def test_registry_name(self):
         self.assertIn("soft_sync", tfdist.strategies.names())

@@ -93,6 +93,9 @@ class TaskUnreachableError(RuntimeError):
 # the defaults of the strategies' `connect_timeout` and `init_timeout`.
 CONNECT_TIMEOUT_ENV = "TFDIST_CONNECT_TIMEOUT"
 INIT_TIMEOUT_ENV = "TFDIST_INIT_TIMEOUT"
+# Set by `tfdist-launch --stall_timeout`: the default `stall_timeout` of the parameter-server
+# strategies.
+STALL_TIMEOUT_ENV = "TFDIST_STALL_TIMEOUT"
 
 
 def timeout_from_env(variable, default, environ=None):

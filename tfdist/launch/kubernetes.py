@@ -40,6 +40,7 @@ from tfdist._args import check_seconds
 from tfdist.cluster.kubernetes import CONNECT_TIMEOUT
 from tfdist.cluster.kubernetes import WORKERS_GONE_GRACE
 from tfdist.cluster.kubernetes import check_job_name
+from tfdist.cluster.network import STALL_TIMEOUT_ENV
 
 KINDS = ("plain", "tfjob")
 JOB_LABEL = "tfdist.job"
@@ -137,7 +138,7 @@ def manifests(name, image, command, num_ps=1, num_workers=2, namespace="default"
               kind="plain", cpu=None, memory=None, ps_cpu=None, ps_memory=None, env=None,
               connect_timeout=CONNECT_TIMEOUT, worker_retries=3, max_failed_workers=None,
               exit_after_workers_gone=WORKERS_GONE_GRACE, run_as_user=1000, token=None,
-              ps_imports=()):
+              ps_imports=(), stall_timeout=None):
     """The manifests of a tfdist job, as a list of dicts (see `to_yaml`).
 
     Args:
@@ -169,6 +170,9 @@ def manifests(name, image, command, num_ps=1, num_workers=2, namespace="default"
       token: the NetworkPolicy's token label value (None: a fresh random one).
       ps_imports: modules every ps task imports (`--ps_import`), and the only ones a worker's
         hello may ask it to use: a custom optimizer's, schedule's or staleness function's.
+      stall_timeout: None, or the default `stall_timeout` of the parameter-server strategies
+        the workers run (`TFDIST_STALL_TIMEOUT` in every pod): how long a hung worker or ps
+        task is given.
 
     Raises:
       ValueError: an argument is out of range; the message names it.
@@ -187,6 +191,7 @@ def manifests(name, image, command, num_ps=1, num_workers=2, namespace="default"
     ps_cpu, ps_memory = check_quantity("ps_cpu", ps_cpu), check_quantity("ps_memory", ps_memory)
     check_seconds("connect_timeout", connect_timeout)
     check_seconds("exit_after_workers_gone", exit_after_workers_gone)
+    check_seconds("stall_timeout", stall_timeout, allow_none=True)
     check_int("worker_retries", worker_retries, "an integer >= 0", low=0)
     check_int("max_failed_workers", max_failed_workers, "an integer >= 0 or None", low=0,
               allow_none=True)
@@ -201,6 +206,7 @@ def manifests(name, image, command, num_ps=1, num_workers=2, namespace="default"
               "the image's own non-root user", low=1, allow_none=True)
     token = secrets.token_hex(16) if token is None else token
     env = {"TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE": "False", "PYTHONUNBUFFERED": "1",
+           **({} if stall_timeout is None else {STALL_TIMEOUT_ENV: repr(float(stall_timeout))}),
            **(env or {})}
     if isinstance(ps_imports, str) or not all(isinstance(m, str) and m for m in ps_imports):
         raise ValueError(f"`ps_imports` must be a list of module names. Received: "

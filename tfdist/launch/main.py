@@ -99,8 +99,8 @@ flags.DEFINE_string("kubernetes_manifest", None,
                     "and exit; uses --image, --k8s_kind, --name, --namespace, --port, "
                     "--num_ps, --num_workers, --cpu, --memory, --ps_cpu, --ps_memory, "
                     "--worker_retries, --max_failed_workers, --run_as_user, "
-                    "--connect_timeout, --exit_after_workers_gone and the command after "
-                    "`--`.")
+                    "--connect_timeout, --exit_after_workers_gone, --stall_timeout and the "
+                    "command after `--`.")
 flags.DEFINE_string("image", None, "With --kubernetes_manifest: the container image.")
 flags.DEFINE_enum("k8s_kind", "plain", ["plain", "tfjob"],
                   "With --kubernetes_manifest: two Indexed Jobs (ps, workers) + headless "
@@ -137,8 +137,16 @@ flags.DEFINE_float("connect_timeout", None,
                    "start listening. Default: 600 with --kubernetes and in "
                    "manifests (image pulls), else unset (the strategies' 30 and 60 s, and "
                    "30 s for a local cluster's ps tasks).")
+flags.DEFINE_float("stall_timeout", None,
+                   "Seconds a task whose port accepts connections may go without answering an "
+                   "RPC before it is treated as dead (a stopped process, a hung machine): the "
+                   "default stall_timeout of the parameter-server strategies its worker "
+                   "commands make (TFDIST_STALL_TIMEOUT). A ps drops a silent worker after "
+                   "it (soft sync and async go on, hard sync fails naming it); a worker whose "
+                   "ps is silent that long ends with an error naming it. Default: the "
+                   "strategies' 60 s (or their stall_timeout argument).")
 flags.DEFINE_float("exit_after_workers_gone", None,
-                   "ps tasks: exit once every worker has listened and then none has for this "
+                   "ps tasks: exit once every worker has answered and then none has for this "
                    "many seconds, so that a Kubernetes job ends by itself. Default: 660 with "
                    "--kubernetes and in manifests, else serve until SIGTERM.")
 
@@ -151,6 +159,12 @@ def _check_timeout(value):
 @flags.validator("connect_timeout",
                  message="--connect_timeout must be a positive number of seconds")
 def _check_connect_timeout(value):
+    return value is None or 0 < value < float("inf")
+
+
+@flags.validator("stall_timeout",
+                 message="--stall_timeout must be a positive number of seconds")
+def _check_stall_timeout(value):
     return value is None or 0 < value < float("inf")
 
 
@@ -167,6 +181,16 @@ def _connect_timeout():
     if FLAGS.connect_timeout is not None:
         return FLAGS.connect_timeout
     return CONNECT_TIMEOUT if FLAGS.kubernetes else None
+
+
+def _stall_timeout_env():
+    """The environment that carries --stall_timeout to the strategies of a worker's
+    command (empty without the flag)."""
+    from tfdist.cluster.network import STALL_TIMEOUT_ENV
+
+    if FLAGS.stall_timeout is None:
+        return {}
+    return {STALL_TIMEOUT_ENV: repr(FLAGS.stall_timeout)}
 
 
 def _workers_gone_grace():
@@ -236,7 +260,7 @@ def _run_local(command):
                                isolate_network="auto" if FLAGS.isolate_network else False,
                                ps_imports=FLAGS.ps_import, bandwidth=FLAGS.bandwidth,
                                outbound_network="auto" if FLAGS.outbound_network else False,
-                               topology=FLAGS.topology,
+                               topology=FLAGS.topology, env=_stall_timeout_env(),
                                **({} if FLAGS.connect_timeout is None
                                   else {"startup_timeout": FLAGS.connect_timeout}))
     except ValueError as e:
@@ -318,7 +342,8 @@ def _write_manifests(command):
             ps_memory=FLAGS.ps_memory, connect_timeout=FLAGS.connect_timeout or CONNECT_TIMEOUT,
             worker_retries=FLAGS.worker_retries, max_failed_workers=FLAGS.max_failed_workers,
             exit_after_workers_gone=FLAGS.exit_after_workers_gone or WORKERS_GONE_GRACE,
-            run_as_user=_run_as_user(), ps_imports=FLAGS.ps_import)
+            run_as_user=_run_as_user(), ps_imports=FLAGS.ps_import,
+            stall_timeout=FLAGS.stall_timeout)
     except ValueError as e:
         raise app.UsageError(_as_flags(str(e))) from None
     text = to_yaml(docs, header=(
@@ -388,6 +413,7 @@ def _run_task(config, command):
     for key, value in TASK_ENVIRONMENT.items():
         env.setdefault(key, value)
     env["TF_CONFIG"] = config.to_json()
+    env.update(_stall_timeout_env())
     timeout = _connect_timeout()
     if timeout is not None:
         env[CONNECT_TIMEOUT_ENV] = env[INIT_TIMEOUT_ENV] = repr(timeout)

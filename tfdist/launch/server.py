@@ -18,7 +18,6 @@ import threading
 import time
 
 from tfdist._args import check_seconds
-from tfdist.cluster import is_listening
 
 # Every blocking op (a worker waiting for its reply, the updater waiting for pushes, the
 # control loop) holds one ps thread until it returns; with the default pool (the core count)
@@ -83,13 +82,15 @@ class WorkersGone:
 
     A Kubernetes job ends when its workers' Job completes, but nothing stops a ps pod: its
     server would serve (and hold its node) until someone deletes it. With a `WorkersGone`,
-    `serve` ends the ps by itself: it probes the training tasks' ports (as the ps's liveness
-    watcher does), and once none has listened for `grace` seconds, the job is over:
+    `serve` ends the ps by itself: it probes the training tasks' servers with an RPC under a
+    deadline, as the ps's liveness watcher does (`tfdist.ps.membership.ServerProbe`: a
+    stopped process, or a hung machine, whose port still accepts connections, does not
+    answer), and once none has answered for `grace` seconds, the job is over:
 
-    * every worker was seen listening, then none for `grace` s: exit code 0;
+    * every worker was seen answering, then none for `grace` s: exit code 0;
     * some were never seen: the ps waits until `startup + grace` s after its start for them
       (pods pulling images, pending for room), then exits 0 if any worker came and went;
-    * no worker ever listened by then: exit code 1 (nothing was trained).
+    * no worker ever answered by then: exit code 1 (nothing was trained).
 
     While one worker is away (its pod retried or moved off a drained node) the others keep
     the ps up; only when every worker is away at once does `grace` (2 minutes in the
@@ -99,11 +100,13 @@ class WorkersGone:
 
     Args:
       addresses: `{task name: "host:port"}` of the training tasks (chief and workers).
-      grace: seconds without any listening worker that end the job.
+      grace: seconds without any answering worker that end the job.
       startup: seconds the tasks get to appear at all (image pulls, scheduling).
       interval: seconds between probes (None: half of `grace`, at most 2).
       log: called with a line when every task has been seen (None: nowhere).
-      probe, clock: for tests (`is_listening`, `time.monotonic`).
+      probe: `probe(address) -> bool`, whether the server at `address` answers (None: a
+        `ServerProbe`'s answer; tests pass their own).
+      clock: for tests (`time.monotonic`).
     """
 
     def __init__(self, addresses, grace, startup, interval=None, log=None, probe=None,
@@ -116,15 +119,27 @@ class WorkersGone:
             raise ValueError("`addresses` must name at least one training task to watch")
         self.addresses = dict(addresses)
         self.grace, self.startup, self.interval = grace, startup, interval
-        self._probe = probe or (lambda address: is_listening(address, timeout=0.5))
+        if probe is None:
+            from tfdist.ps.membership import ServerProbe  # TensorFlow: imported by a ps only
+
+            self._server_probe = ServerProbe()
+            probe = self._answers
+        self._probe = probe
         self._clock = clock or time.monotonic
         self._log = log or (lambda line: None)
         self.started = self._last_heard = self._clock()
         self.seen = set()
+        self._tasks = {address: name for name, address in self.addresses.items()}
+
+    def _answers(self, address):
+        from tfdist.ps.membership import ANSWERED
+
+        return self._server_probe(address, self._tasks[address]) == ANSWERED
 
     def _listening(self):
+        """The names of the tasks whose server answers (or listens, for a test's probe)."""
         names = list(self.addresses)
-        # Probed together: one unreachable address must not hold up the others.
+        # Probed together: one unreachable or stopped server must not hold up the others.
         with concurrent.futures.ThreadPoolExecutor(min(32, len(names))) as pool:
             answers = list(pool.map(lambda n: self._probe(self.addresses[n]), names))
         return {name for name, answer in zip(names, answers) if answer}
@@ -138,13 +153,13 @@ class WorkersGone:
             everyone_before = len(self.seen) == len(self.addresses)
             self.seen |= listening
             if not everyone_before and len(self.seen) == len(self.addresses):
-                self._log(f"every training task ({len(self.addresses)}) has listened; the ps "
+                self._log(f"every training task ({len(self.addresses)}) has answered; the ps "
                           f"exits once none has for {self.grace:g} s")
         quiet = now - self._last_heard
         if quiet < self.grace:
             return None
         if len(self.seen) == len(self.addresses):
-            return 0, (f"every training task has come and gone (none listened for "
+            return 0, (f"every training task has come and gone (none answered for "
                        f"{quiet:.0f} s): the job is over")
         if now - self.started < self.startup + self.grace:
             return None  # some may still be pulling their image, or waiting for a node
@@ -154,9 +169,9 @@ class WorkersGone:
                                     else ""))
         if self.seen:
             return 0, (f"{len(self.seen)} of {len(self.addresses)} training tasks came and "
-                       f"went (none listened for {quiet:.0f} s); {never} never listened "
+                       f"went (none answered for {quiet:.0f} s); {never} never answered "
                        f"within {self.startup + self.grace:g} s: the job is over")
-        return 1, (f"no training task listened within {now - self.started:.0f} s of the ps's "
+        return 1, (f"no training task answered within {now - self.started:.0f} s of the ps's "
                    f"start ({never}): giving up")
 
 

@@ -6,11 +6,14 @@ import time
 
 import tensorflow as tf
 
+from tfdist._process import LastWordFuse
 from tfdist._worker import compute_device
 from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import as_cluster_config
-from tfdist.cluster import is_listening
 from tfdist.cluster import wait_for_tasks
+from tfdist.ps.membership import ANSWERED
+from tfdist.ps.membership import ProbePool
+from tfdist.ps.membership import ServerProbe
 
 log = logging.getLogger("tfdist")
 
@@ -92,9 +95,17 @@ class PSConnection:
         self._ping(connect_timeout)
 
     def unreachable_ps(self):
-        """`[(name, address)]` of the ps tasks whose server does not accept connections."""
-        return [(name, address) for name, address in zip(self.ps_names, self.ps_addresses)
-                if not is_listening(address)]
+        """`[(name, address, why)]` of the ps tasks whose server does not answer an RPC within
+        the probe's deadline: killed (nothing accepts connections there) or stopped (a hung
+        process or machine, whose port still accepts them)."""
+        probes = ProbePool(ServerProbe())
+        try:
+            answers = probes(list(zip(self.ps_addresses, self.ps_names)))
+            return [(name, address, probes.probe.errors.get(address, ""))
+                    for name, address, answer in zip(self.ps_names, self.ps_addresses, answers)
+                    if answer != ANSWERED]
+        finally:
+            probes.close()
 
     def _ping(self, timeout):
         """Runs one op on every ps task, retrying while the first connections settle.
@@ -117,3 +128,108 @@ class PSConnection:
                             f"did not answer ops within {timeout:g} s: {e.message}") from None
                     time.sleep(0.2)
 
+
+
+class PSWatchdog:
+    """Ends a worker whose ps task stopped answering, rather than letting it hang.
+
+    A worker's ops on a ps task have no deadline: a ps that was killed fails them at once
+    (nothing accepts the connection), but one that is stopped (SIGSTOP, a hung machine:
+    its port still accepts connections) leaves every one waiting for ever, the worker's
+    step, its `join()`, its exit. The watchdog probes every ps task's server with an RPC
+    (`ServerProbe`, as a ps probes its workers), and once one has not answered for
+    `stall_timeout` seconds it calls `on_stall([(name, address, why)])` from its thread,
+    which ends the process with an error naming the task.
+
+    Its thread cannot run while another holds Python's lock in a call that waits on the
+    stopped ps (TensorFlow registers each newly traced function on the ps tasks, and waits
+    for them, holding it). So each round also re-arms a `LastWordFuse`: if no round comes
+    for `stall_timeout` plus two rounds' worth of probing, the fuse ends the process with
+    the same error, naming the ps tasks that had not answered (or all of them).
+
+    Args:
+      connection: the worker's `PSConnection`.
+      stall_timeout: seconds a ps task may go without answering.
+      on_stall: called once, with the tasks that stopped answering.
+      interval: seconds between rounds of probes (None: a quarter of `stall_timeout`, at
+        most 1).
+      probe, clock: for tests (a `ServerProbe`, `time.monotonic`).
+      fuse: for tests: False runs without a `LastWordFuse`.
+    """
+
+    def __init__(self, connection, stall_timeout, on_stall, interval=None, probe=None,
+                 clock=None, fuse=True):
+        self.targets = list(zip(connection.ps_addresses, connection.ps_names))
+        self.task = getattr(connection, "task_name", "this worker")
+        self.stall_timeout = stall_timeout
+        self.on_stall = on_stall
+        self.interval = min(1.0, stall_timeout / 4) if interval is None else interval
+        self._probes = ProbePool(probe or ServerProbe())
+        self._clock = clock or time.monotonic
+        self._heard = {}
+        self._last_round = None
+        self._stopped = threading.Event()
+        self._thread = None
+        self._fuse = LastWordFuse() if fuse else None
+
+    @property
+    def fuse_seconds(self):
+        """Seconds without a round after which the fuse ends the process: the stall
+        timeout, and two rounds with probes that take their whole deadline."""
+        return self.stall_timeout + 2 * (self.interval + self._probes.probe.timeout)
+
+    def start(self):
+        self._thread = threading.Thread(target=self._watch, name="tfdist-ps-watchdog",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self):
+        self._stopped.set()
+        if self._fuse is not None:
+            self._fuse.disarm()
+
+    def poll(self):
+        """Probes every ps task once; returns `[(name, address, why)]` of those that have not
+        answered for more than `stall_timeout`."""
+        answers = self._probes(self.targets)
+        now = self._clock()
+        stalled = []
+        for (address, name), answer in zip(self.targets, answers):
+            heard = self._heard.setdefault(address, now)
+            if answer == ANSWERED:
+                self._heard[address] = now
+            elif now - heard > self.stall_timeout:
+                stalled.append((name, address, (
+                    f"no answer for {now - heard:.0f} s, stall_timeout="
+                    f"{self.stall_timeout:g} s; {self._probes.probe.errors.get(address, '')}")))
+        self._last_round = now
+        return stalled
+
+    def last_word(self):
+        """The error the fuse writes if no round comes any more: the ps tasks that did not
+        answer the last round (all of them if every one did)."""
+        silent = [(address, name) for address, name in self.targets
+                  if self._heard.get(address) != self._last_round]
+        named = " or ".join(f"{name} at {address}" for address, name in silent or self.targets)
+        return (f"tfdist: {named} stopped answering ({self.task}'s Python threads have not run "
+                f"for {self.fuse_seconds:g} s: a TensorFlow call waiting on the ps holds "
+                f"Python's lock; stall_timeout={self.stall_timeout:g} s): its shard of the "
+                "master variables is gone, and no worker can train on without it. Restart "
+                "the job; the chief's last checkpoint holds the model")
+
+    def _watch(self):
+        try:
+            while not self._stopped.wait(self.interval):
+                stalled = self.poll()
+                if self._stopped.is_set():
+                    break
+                if stalled:
+                    self.on_stall(stalled)
+                    return
+                if self._fuse is not None:
+                    self._fuse.arm(self.fuse_seconds, self.last_word())
+        finally:
+            if self._fuse is not None:
+                self._fuse.close()
+            self._probes.close()

@@ -293,12 +293,40 @@ class ServerProbe:
                     pass  # that server is gone or stalled: its session goes with it
 
 
-# Seconds a worker whose port accepts connections may go without answering a probe before
-# it is dead (a stopped process, a hung machine).
-DEFAULT_STALL_TIMEOUT = 60.0
-
-# Threads probing a run's workers at once.
+# Threads probing servers at once.
 _PROBE_THREADS = 16
+
+
+class ProbePool:
+    """Probes several servers at once with one `ServerProbe`: a stalled server's probe takes
+    its whole deadline and must not delay the answers of the others.
+
+    Args:
+      probe: the `ServerProbe` (or any `probe(address, task) -> answer`).
+    """
+
+    def __init__(self, probe):
+        self.probe = probe
+        self._pool = None
+
+    def __call__(self, targets):
+        """`[answer]` of each `(address, task)` of `targets`, in order."""
+        try:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=_PROBE_THREADS, thread_name_prefix="tfdist-probe")
+            return list(self._pool.map(lambda target: self.probe(*target), targets))
+        except RuntimeError:
+            # The interpreter is shutting down (a worker leaving at exit names a lost ps):
+            # no new pool thread may start. One after the other, then.
+            return [self.probe(*target) for target in targets]
+
+    def close(self):
+        """Stops the probing threads and closes the probe's sessions."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.probe.close()
 
 
 class LivenessWatcher:
@@ -307,10 +335,11 @@ class LivenessWatcher:
     Each round probes the server of every worker of the current run (`ServerProbe`). A
     worker that has joined, or whose server was seen, is dead after `misses_to_dead` probes
     in a row found nothing listening at its address (a killed process), or once it has not
-    answered for `stall_timeout` seconds while its port accepts connections (a stopped
-    process, a hung machine); one whose server never answered is dead `init_timeout` after
-    the run started. A slow worker is never cut off: its server's RPC threads answer while
-    its training thread computes or waits.
+    answered for the run's `stall_timeout` (`ShardSpec.stall_timeout`: the job's strategy
+    argument) while its port accepts connections (a stopped process, a hung machine); one
+    whose server never answered is dead `init_timeout` after the run started. A slow worker
+    is never cut off: its server's RPC threads answer while its training thread computes or
+    waits.
 
     Args:
       current_run: a function returning the service's current run (or None): it has
@@ -320,26 +349,19 @@ class LivenessWatcher:
       interval: seconds between rounds of probes.
       misses_to_dead: probes in a row finding nothing listening after which a worker is
         dead.
-      stall_timeout: seconds without an answer after which a worker whose port accepts
-        connections is dead.
-      probe: a `ServerProbe` (None: a new one, whose deadline is at most `stall_timeout`).
+      probe: a `ServerProbe` (None: a new one, with its default deadline; a run's
+        stall_timeout below that deadline is noticed at the first probe past it).
       clock: for tests (`time.monotonic`).
     """
 
-    def __init__(self, current_run, interval, misses_to_dead,
-                 stall_timeout=DEFAULT_STALL_TIMEOUT, probe=None, clock=None):
-        if (isinstance(stall_timeout, bool) or not isinstance(stall_timeout, (int, float))
-                or stall_timeout <= 0):
-            raise ValueError(f"`stall_timeout` must be a positive number of seconds. "
-                             f"Received: {stall_timeout!r}")
+    def __init__(self, current_run, interval, misses_to_dead, probe=None, clock=None):
         self.current_run = current_run
         self.interval = interval
         self.misses_to_dead = misses_to_dead
-        self.stall_timeout = stall_timeout
-        self.probe = probe or ServerProbe(min(PROBE_TIMEOUT, stall_timeout))
+        self.probe = probe or ServerProbe()
+        self._probes = ProbePool(self.probe)
         self._clock = clock or time.monotonic
         self.stopped = threading.Event()
-        self._pool = None
         self._misses, self._heard, self._seen, self._told = {}, {}, set(), set()
 
     def watch(self):
@@ -351,20 +373,13 @@ class LivenessWatcher:
 
     def close(self):
         """Stops the probing threads and closes the probe's sessions."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        self.probe.close()
+        self._probes.close()
 
     def _answers(self, run, ranks):
-        """`{rank: answer}`, the workers probed at once: a stalled one, which takes the
-        probe's whole deadline, must not delay noticing the others."""
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                max_workers=_PROBE_THREADS, thread_name_prefix="tfdist-probe")
+        """`{rank: answer}`, the workers probed at once."""
         spec = run.spec
-        return dict(zip(ranks, self._pool.map(
-            lambda r: self.probe(spec.worker_addresses[r], spec.worker_tasks[r]), ranks)))
+        return dict(zip(ranks, self._probes(
+            [(spec.worker_addresses[r], spec.worker_tasks[r]) for r in ranks])))
 
     def poll(self):
         """Probes the workers of the current run once; tells the run of the dead ones."""
@@ -395,7 +410,7 @@ class LivenessWatcher:
                 continue
             if status == LIVE or key in self._seen:
                 dead = (self._misses.get(key, 0) >= self.misses_to_dead if answer == GONE
-                        else now - heard > self.stall_timeout)
+                        else now - heard > run.spec.stall_timeout)
             else:
                 dead = now - run.created > run.spec.init_timeout
             if not dead:
@@ -403,7 +418,8 @@ class LivenessWatcher:
             self._told.add(key)
             if answer == STALLED:
                 stall = (f"no answer for {now - heard:.0f} s, stall_timeout="
-                         f"{self.stall_timeout:g} s; {self.probe.errors.get(address, '')}")
+                         f"{run.spec.stall_timeout:g} s; "
+                         f"{self.probe.errors.get(address, '')}")
                 run.stalls[rank] = stall
                 log.warning("tfdist: %s at %s stopped answering (%s): treated as dead",
                             run.spec.worker_tasks[rank], address, stall)

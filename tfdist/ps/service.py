@@ -29,7 +29,6 @@ import tensorflow as tf
 from tfdist import compression as compression_lib
 from tfdist.ps import protocol
 from tfdist.ps import wire
-from tfdist.ps.membership import DEFAULT_STALL_TIMEOUT
 from tfdist.ps.membership import BadControlMessage
 from tfdist.ps.membership import LivenessWatcher
 from tfdist.ps.membership import Membership
@@ -302,16 +301,17 @@ class PSService:
       config: the ps task's `ClusterConfig`.
       liveness_interval: seconds between probes of the workers' servers.
       misses_to_dead: probes in a row finding nothing listening after which a worker is dead.
-      stall_timeout: seconds without an answer after which a worker whose port accepts
-        connections (a stopped process, a hung machine) is dead.
+        A worker whose port accepts connections (a stopped process, a hung machine) is dead
+        once it has not answered for its run's `stall_timeout` (the job's strategy
+        argument, in the spec of its hello).
       imports: the modules the ps task's command line named (`--ps_import`): with Keras's
         own, the only ones a worker's spec may ask it to import (`refused_import`).
       device: where its queues and runs live (None: the ps task's CPU; a test in one
         process passes its local CPU).
     """
 
-    def __init__(self, config, liveness_interval=0.5, misses_to_dead=4,
-                 stall_timeout=DEFAULT_STALL_TIMEOUT, imports=(), device=None):
+    def __init__(self, config, liveness_interval=0.5, misses_to_dead=4, imports=(),
+                 device=None):
         self.config = config
         self.imports = tuple(imports)
         self.task = f"/job:ps/task:{config.task_index}"
@@ -327,7 +327,7 @@ class PSService:
                 container=protocol.CONTAINER, shared_name=protocol.CONTROL_QUEUE)
             self.hello_queues = {}
         self.watcher = LivenessWatcher(lambda: self.current, liveness_interval,
-                                       misses_to_dead, stall_timeout)
+                                       misses_to_dead)
         self._threads = [threading.Thread(target=self._serve_control, name="tfdist-control",
                                           daemon=True),
                          threading.Thread(target=self.watcher.watch, name="tfdist-watch",

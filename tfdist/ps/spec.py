@@ -9,6 +9,8 @@ compression. Both sides build the same objects; on the wire they are the JSON of
 import dataclasses
 from typing import Optional
 
+from tfdist._args import check_seconds
+
 # Roles of a shard's variables.
 GRADIENT = "gradient"    # trainable: its gradient is pushed, the optimizer applies the mean
 VALUE = "value"          # non-trainable state (BatchNorm statistics): the mean is assigned
@@ -20,6 +22,10 @@ ROWS = "rows"            # model averaging: a table (or its slot) every worker t
                          # averaged by the rows changed in a round (pushed and replied as rows)
 ROLES = (GRADIENT, VALUE, AVERAGE, OPTIMIZER, TABLE, ROWS)
 PUSHED_ROLES = (GRADIENT, VALUE, AVERAGE)
+
+# Seconds a task whose port accepts connections may go without answering an RPC before it is
+# dead (a stopped process, a hung machine): the default `stall_timeout` of a run.
+DEFAULT_STALL_TIMEOUT = 60.0
 
 # The fields of an entry that must agree between every worker of a run.
 _COMPARED_FIELDS = ("shape", "dtype", "role", "rows", "sparse", "outer", "table",
@@ -125,6 +131,9 @@ class ShardSpec:
       compression: the serialized compressor, or None.
       delta: pushes are changes since the last average (compressed averaging).
       init_timeout: seconds the run waits for the chief to initialise the masters.
+      stall_timeout: seconds a worker whose port accepts connections may go without
+        answering the ps's probes before the run treats it as dead (the value of the worker
+        that started the run counts).
       table_updates: how the ps updates the rows of its tables: "lazy" (the rows a push
         touched, `tfdist.ps.rowwise`) or "dense" (every row, by the optimizer's own apply).
     """
@@ -143,12 +152,14 @@ class ShardSpec:
     compression: Optional[dict] = None
     delta: bool = False
     init_timeout: float = 60.0
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT
     table_updates: str = "lazy"
 
     def __post_init__(self):
         object.__setattr__(self, "variables", tuple(entry_of(e) for e in self.variables))
         for name in ("worker_tasks", "worker_addresses", "imports"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+        check_seconds("stall_timeout", self.stall_timeout)  # a hello's spec is checked too
 
     def to_json(self):
         return {"mode": self.mode, "policy": self.policy, "num_workers": self.num_workers,
@@ -158,7 +169,7 @@ class ShardSpec:
                 "optimizer": self.optimizer, "outer_optimizer": self.outer_optimizer,
                 "imports": list(self.imports), "compression": self.compression,
                 "delta": self.delta, "init_timeout": self.init_timeout,
-                "table_updates": self.table_updates}
+                "stall_timeout": self.stall_timeout, "table_updates": self.table_updates}
 
     @classmethod
     def from_json(cls, spec):
@@ -170,6 +181,7 @@ class ShardSpec:
                    outer_optimizer=spec.get("outer_optimizer"),
                    imports=spec.get("imports", ()), compression=spec.get("compression"),
                    delta=spec.get("delta", False), init_timeout=spec["init_timeout"],
+                   stall_timeout=spec.get("stall_timeout", DEFAULT_STALL_TIMEOUT),
                    table_updates=spec.get("table_updates", "lazy"))
 
     def difference(self, other):

@@ -26,6 +26,7 @@ from tfdist._process import end_with_last_word
 from tfdist._worker import BetweenGraphExtendedMixin
 from tfdist.cluster.network import CONNECT_TIMEOUT_ENV
 from tfdist.cluster.network import INIT_TIMEOUT_ENV
+from tfdist.cluster.network import STALL_TIMEOUT_ENV
 from tfdist.cluster.network import timeout_from_env
 from tfdist.ps import placement
 from tfdist.ps import protocol
@@ -34,9 +35,11 @@ from tfdist.ps import wire
 from tfdist.ps.client import RunError
 from tfdist.ps.client import ShardClient
 from tfdist.ps.connection import PSConnection
+from tfdist.ps.connection import PSWatchdog
 from tfdist.ps.push import check_split
 from tfdist.ps.push_codec import PushCodec
 from tfdist.ps.push_codec import push_compressor
+from tfdist.ps.spec import DEFAULT_STALL_TIMEOUT
 from tfdist.ps.spec import ShardSpec
 from tfdist.ps.spec import VariableEntry
 from tfdist.ps.table_set import TableRule
@@ -66,13 +69,13 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
       push: what a step pushes (`tfdist.ps.push`: `GradientPush()` or `ModelPush(...)`).
       tables: a `tfdist.ps.tables.TableRule`: the variables kept on the ps tasks only (None:
         none).
-      cluster, init_timeout, connect_timeout, inter_op_threads, compression,
+      cluster, init_timeout, connect_timeout, stall_timeout, inter_op_threads, compression,
         variable_partitioner: as documented on `SoftSyncStrategy`.
     """
 
     def __init__(self, container_strategy, make_policy, push, cluster=None, init_timeout=None,
                  connect_timeout=None, inter_op_threads=1, compression=None,
-                 variable_partitioner=placement.AUTO, tables=None):
+                 variable_partitioner=placement.AUTO, tables=None, stall_timeout=None):
         compressor = push_compressor(compression)
         partitioner = placement.check_partitioner(variable_partitioner)
         # None: what the launcher exported (600 s in Kubernetes pods), else 60 / 30 s.
@@ -80,8 +83,11 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             init_timeout = timeout_from_env(INIT_TIMEOUT_ENV, 60.0)
         if connect_timeout is None:
             connect_timeout = timeout_from_env(CONNECT_TIMEOUT_ENV, 30.0)
+        if stall_timeout is None:
+            stall_timeout = timeout_from_env(STALL_TIMEOUT_ENV, DEFAULT_STALL_TIMEOUT)
         for name, value in (("init_timeout", init_timeout),
-                            ("connect_timeout", connect_timeout)):
+                            ("connect_timeout", connect_timeout),
+                            ("stall_timeout", stall_timeout)):
             check_seconds(name, value)
         config = PSConnection.validate(cluster)
         policy = make_policy(config.num_workers)
@@ -91,6 +97,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         self._connection = connection
         self._policy = policy
         self._init_timeout = init_timeout
+        self._stall_timeout = stall_timeout
+        self._watchdog = None
         self._partitioner = partitioner
         self._placement = None
         self._mirrors = []
@@ -256,6 +264,10 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             parts.sort(key=lambda p: order[p.variable._tfdist_role])
         # Tables (and their slots) after the mirrors, each part on its own ps task.
         self._tables.add_entries(entries, fields)
+        # From the first hello on, a ps task that stops answering ends this worker, named,
+        # instead of leaving it waiting for ever.
+        self._watchdog = PSWatchdog(self._connection, self._stall_timeout,
+                                    self._end_on_stalled_ps).start()
         clients = [ShardClient(self._connection, s) for s in range(num_ps)]
         answers = []
         with tf.init_scope():
@@ -351,6 +363,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                          imports=imports,
                          compression=None if self._codec is None else self._codec.spec(),
                          init_timeout=self._init_timeout,
+                         stall_timeout=self._stall_timeout,
                          table_updates=self._tables.updates)
 
     def _pull(self, copy_tables=True):
@@ -468,12 +481,25 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                 log.warning("tfdist: %s could not leave the run cleanly: %s",
                             self._connection.task_name, e)
                 return
-            log.error("tfdist: %s stopped answering: its shard of the master variables is "
-                      "gone, and no worker can train on without it (TensorFlow's "
-                      "UnavailableError above is that). Restart the job; the chief's last "
-                      "checkpoint holds the model",
-                      ", ".join(f"{name} at {address}" for name, address in gone))
-            end_with_last_word(1)  # issue 22: the error above stays the user's last screen
+            self._end_on_lost_ps(gone, "TensorFlow's error above is that")
+        finally:
+            if self._watchdog is not None:
+                self._watchdog.stop()
+
+    def _end_on_stalled_ps(self, stalled):
+        """The watchdog's verdict: a ps task has not answered for stall_timeout."""
+        self._end_on_lost_ps(stalled, "this worker's ops on it would wait for ever")
+
+    def _end_on_lost_ps(self, lost, because):
+        """Logs which ps tasks (`[(name, address, why)]`) stopped answering and ends the
+        process: their shards are out of reach, and nothing can go on without them."""
+        log.error("tfdist: %s: its shard of the master variables is gone, and no worker can "
+                  "train on without it (%s). Restart the job; the chief's last checkpoint "
+                  "holds the model",
+                  "; ".join(f"{name} at {address} stopped answering" + (f" ({why})" if why
+                                                                       else "")
+                            for name, address, why in lost), because)
+        end_with_last_word(1)  # issue 22: the error above stays the user's last screen
 
     def _send_leave(self):
         for client in self._clients:

@@ -81,14 +81,16 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
         Otherwise a table "auto" found is averaged whole, with a warning, and a table a
         pattern names is an error that says why. With `compression`, the rest of the model
         is compressed and the rows travel as they are.
-      cluster, init_timeout, connect_timeout, inter_op_threads, variable_partitioner: as for
-        `SoftSyncStrategy` (averaging is elementwise: "auto" splits with any optimizer).
+      cluster, init_timeout, connect_timeout, inter_op_threads, variable_partitioner,
+        stall_timeout: as for `SoftSyncStrategy` (averaging is elementwise: "auto" splits
+        with any optimizer). A worker stopped between two rounds is dead `stall_timeout`
+        after it stopped answering, whether or not a round was waiting for it.
     """
 
     def __init__(self, period=1, replicas_to_aggregate=None, optimizer_state="local",
                  cluster=None, init_timeout=None, connect_timeout=None, inter_op_threads=1,
                  compression=None, variable_partitioner="auto", outer_optimizer=None,
-                 embedding_tables="auto"):
+                 embedding_tables="auto", stall_timeout=None):
         check_int("period", period, "an integer >= 1 (local steps between averaging rounds)",
                   low=1)
         if optimizer_state not in ("local", "averaged"):
@@ -100,7 +102,8 @@ class ModelAveragingStrategy(ParameterServerStrategyBase):
             self, n_of_m_policy(AveragingPolicy, replicas_to_aggregate), push, cluster=cluster,
             init_timeout=init_timeout, connect_timeout=connect_timeout,
             inter_op_threads=inter_op_threads, compression=compression,
-            variable_partitioner=variable_partitioner, tables=TableRule(embedding_tables)))
+            variable_partitioner=variable_partitioner, tables=TableRule(embedding_tables),
+            stall_timeout=stall_timeout))
 
     @property
     def period(self):

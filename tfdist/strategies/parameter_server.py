@@ -63,6 +63,8 @@ class ParameterServerStrategyBase(WorkerTasksMixin, tf.distribute.Strategy):
 
         On the chief, first waits until every other worker has left or died (at most
         `timeout` seconds, None: as long as they are alive), so that the weights are final.
+        A worker whose server has not answered the ps tasks for `stall_timeout` (a stopped
+        process, a hung machine) is dead: `join()` does not wait for it.
         """
         self.extended.leave(wait=self.is_chief, timeout=timeout)
 
@@ -119,6 +121,19 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
         of its Kubernetes manifests), else 60.
       connect_timeout: seconds the ps tasks get to start listening. None: the environment's
         `TFDIST_CONNECT_TIMEOUT` (set the same way), else 30.
+      stall_timeout: seconds a task whose port accepts connections may go without
+        answering an RPC before it is treated as dead: a stopped process or a hung machine
+        (SIGSTOP, a GPU driver, NFS, a swap storm), which a TCP check takes for alive. The
+        ps tasks probe the workers' servers (`tfdist.ps.membership.ServerProbe`, every half
+        second, each probe with a 2 s deadline): a worker silent for `stall_timeout` is
+        dead, named in the logs, and treated as a killed one (soft sync and async go on
+        without it, hard sync fails naming it, the chief's `join()` stops waiting for
+        it). Each worker probes its ps tasks likewise: one silent for `stall_timeout`
+        ends the worker with an error naming it, where its ops would wait for ever. A
+        slow worker is never cut off: its server's RPC threads answer while it computes,
+        sleeps or waits. None: the environment's `TFDIST_STALL_TIMEOUT` (set by
+        `tfdist-launch --stall_timeout`), else 60. The value of the worker that starts a
+        run is the one its ps tasks use.
       inter_op_threads: inter-op threads of this worker's TF executor (None: TF's default).
         One is fastest when per-step latency dominates (small models, shared cores).
       compression: a `tfdist.compression` compressor (or its name / config) for the push:
@@ -165,14 +180,15 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
     def __init__(self, replicas_to_aggregate=None, cluster=None, init_timeout=None,
                  connect_timeout=None, inter_op_threads=1, compression=None,
                  variable_partitioner="auto", embedding_tables="auto",
-                 embedding_updates="lazy"):
+                 embedding_updates="lazy", stall_timeout=None):
         tables = TableRule(embedding_tables, embedding_updates)
         super().__init__(ParameterServerExtended(
             self, n_of_m_policy(SoftSyncPolicy, replicas_to_aggregate), GradientPush(),
             cluster=cluster,
             init_timeout=init_timeout, connect_timeout=connect_timeout,
             inter_op_threads=inter_op_threads, compression=compression,
-            variable_partitioner=variable_partitioner, tables=tables))
+            variable_partitioner=variable_partitioner, tables=tables,
+            stall_timeout=stall_timeout))
 
     @property
     def replicas_to_aggregate(self):
@@ -211,21 +227,21 @@ class AsyncStrategy(ParameterServerStrategyBase):
         (`embedding_tables`), the rows its step's lookups read, which the push carries.
       on_stale: "drop" or "wait", see `max_staleness`.
       cluster, init_timeout, connect_timeout, inter_op_threads, compression,
-        variable_partitioner, embedding_tables, embedding_updates: as for
+        variable_partitioner, embedding_tables, embedding_updates, stall_timeout: as for
         `SoftSyncStrategy`.
     """
 
     def __init__(self, staleness="none", max_staleness=None, delay_compensation=None,
                  on_stale="drop", cluster=None, init_timeout=None, connect_timeout=None,
                  inter_op_threads=1, compression=None, variable_partitioner="auto",
-                 embedding_tables="auto", embedding_updates="lazy"):
+                 embedding_tables="auto", embedding_updates="lazy", stall_timeout=None):
         policy = AsyncPolicy(staleness, max_staleness, delay_compensation, on_stale)
         tables = TableRule(embedding_tables, embedding_updates)
         super().__init__(ParameterServerExtended(
             self, lambda total: policy, GradientPush(), cluster=cluster, init_timeout=init_timeout,
             connect_timeout=connect_timeout, inter_op_threads=inter_op_threads,
             compression=compression, variable_partitioner=variable_partitioner,
-            tables=tables))
+            tables=tables, stall_timeout=stall_timeout))
 
     @property
     def policy(self):
