@@ -178,7 +178,8 @@ class ModelAveragingTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(parts, [[0, 24], [24, 48]])
         self.assertEqual({path for task in chief["placement"] for path in task["variables"]},
                          {"sequential/embedding/embeddings", "sequential/dense/kernel",
-                          "sequential/dense/bias"})  # no worker's own state
+                          "sequential/dense/bias", "sgd/learning_rate"})
+        # (no worker's own state: the learning rate's master is the chief's writes)
         # The rows each worker's last round of an epoch pushed: those its steps looked up
         # (steps 1-3, then 4-6; the second epoch starts the shard again).
         batch = ps_program.BATCH
