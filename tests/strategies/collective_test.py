@@ -125,15 +125,15 @@ class CompressedMirroredTest(tf.test.TestCase, parameterized.TestCase):
         # N = 2: a ring all-reduce moves each replica's B once each way; an all-gather one
         # payload of the largest replica's size, after a shape word (and the sizes when they
         # vary), each way.
-        if strategy.compressor.linear:
+        if strategy.compressor.capabilities.linear:
             self.assertEqual(wire, 2 * sent)
         else:
             self.assertBetween(wire, 2 * sent, 2 * (2 * sent + 64))
         self.assertAllClose(history["compression_ratio"][-1], 2 * dense / wire)
         compressor = strategy.compressor
-        if not compressor.variable_size and compressor.elementwise:
+        if not compressor.capabilities.variable_size and compressor.capabilities.elementwise:
             # Quantisers and DGC code each gradient alone; the others one fused vector.
-            sizes = ([8 * 16, 16, 16 * 2, 2] if compressor.per_tensor
+            sizes = ([8 * 16, 16, 16 * 2, 2] if compressor.capabilities.per_tensor
                      else [int(history["bytes_dense"][-1]) // 4])
             self.assertEqual(history["bytes_sent"][-1], sum(
                 compressor.payload_bytes([n], tf.float32) for n in sizes))

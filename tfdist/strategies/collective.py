@@ -266,7 +266,7 @@ class _CompressedExchangeMixin:
         strategy = self._container_strategy()
         optimizer, variables = found
         self._check_momentum(optimizer)
-        if (self._exchange.compressor.variable_size
+        if (self._exchange.compressor.capabilities.variable_size
                 and _tf_compat.in_xla_context()):
             raise ValueError(
                 f"tfdist: `compression={self._exchange.compressor.name!r}` cannot run inside "
