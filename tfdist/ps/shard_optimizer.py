@@ -56,8 +56,9 @@ class ShardExtended(_tf_compat.OneDeviceExtended):
         del colocate_with_variable  # masters are made outside the scope, by shared name
 
     def _update(self, var, fn, args, kwargs, group):
-        if self.learning_rate_factor is not None and len(args) == 2:
-            gradient, learning_rate = args
+        arguments = _tf_compat.keras_update_step_arguments(args)
+        if self.learning_rate_factor is not None and arguments is not None:
+            gradient, learning_rate = arguments
             args = (gradient, tf.cast(learning_rate, tf.float32) * self.learning_rate_factor)
         return super()._update(var, fn, args, kwargs, group)
 

@@ -143,7 +143,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             return super()._create_variable(next_creator, **kwargs)
         colocate_with = kwargs.pop("colocate_with", None)
         path = self._new_path(kwargs)
-        with tf.init_scope(), tf.device(self._device):
+        with tf.init_scope(), tf.device(_tf_compat.one_device(self)):
             variable = MirrorVariable.create(path, role, **kwargs)
         # Placed when the run starts (`tfdist.ps.placement`), once the optimizer is known.
         variable._tfdist_colocate = (colocate_with._tfdist_path

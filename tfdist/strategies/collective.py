@@ -56,18 +56,14 @@ class _CompressedExchangeMixin:
     def _init_compression(self, compression):
         compressor = compression_lib.get(compression)
         self._exchange = (None if compressor is None
-                          else GradientExchange(compressor, self._container_strategy()))
+                          else GradientExchange(compressor, _tf_compat.container_strategy(self)))
         self._step_trace = None  # the outermost step being traced: its example counts, stats
         self._stats = None
         self._codec_states = (None if compressor is None else compression_state.StateRegistry(
-            self._container_strategy(), compressor, self._replica_offset))
+            _tf_compat.container_strategy(self), compressor, self._replica_offset))
         # Keras's `steps_per_execution > 1` runs its steps in a tf.while_loop.
-        seen = set()
-        for name in ("_collective_ops", "_cross_device_ops", "_host_cross_device_ops"):
-            cross_device_ops = getattr(self, name, None)
-            if cross_device_ops is not None and id(cross_device_ops) not in seen:
-                seen.add(id(cross_device_ops))
-                _tf_compat.use_trace_time_instance_keys_in_loops(cross_device_ops)
+        for cross_device_ops in _tf_compat.cross_device_ops(self):
+            _tf_compat.use_trace_time_instance_keys_in_loops(cross_device_ops)
 
     @property
     def compressor(self):
@@ -79,7 +75,7 @@ class _CompressedExchangeMixin:
 
     def _replica_offset(self):
         """The global number of this process's first replica."""
-        return getattr(self, "_id_in_cluster", 0) * len(self.worker_devices)
+        return _tf_compat.worker_index_in_cluster(self) * len(self.worker_devices)
 
     def _create_variable(self, next_creator, **kwargs):
         # An optimizer made under this strategy gets its codec state when it makes its
@@ -97,7 +93,7 @@ class _CompressedExchangeMixin:
         step's logs are made: a LossScaleOptimizer applies in a nested replica call inside a
         branch, whose tensors the outer step cannot use."""
         if self._stats is None:
-            with tf.init_scope(), self._container_strategy().scope():
+            with tf.init_scope(), _tf_compat.container_strategy(self).scope():
                 self._stats = {
                     name: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"tfdist_{name}",
                                       synchronization=tf.VariableSynchronization.ON_READ,
@@ -166,7 +162,7 @@ class _CompressedExchangeMixin:
         # TF takes this path, around `_batch_reduce_to`, when XLA compiles the step on GPUs
         # (`jit_compile=True`): the gradients would go uncompressed, without a word.
         if (self._exchange is not None and _tf_compat.keras_gradient_all_reduce(
-                self._container_strategy()) not in (None, "outside")):
+                _tf_compat.container_strategy(self)) not in (None, "outside")):
             raise ValueError(
                 f"tfdist: `compression={self._exchange.compressor.name!r}` cannot run inside "
                 "an XLA-compiled step: TensorFlow all-reduces the gradients of a "
@@ -179,7 +175,7 @@ class _CompressedExchangeMixin:
         """`(optimizer, variables)` of a Keras optimizer's gradient all-reduce of `values`,
         or None if this batch is something else (synchronized BatchNorm statistics, a
         metric, a user's own all-reduce), which is summed as it is."""
-        found = _tf_compat.keras_gradient_all_reduce(self._container_strategy())
+        found = _tf_compat.keras_gradient_all_reduce(_tf_compat.container_strategy(self))
         if found == "outside":
             if self._exchange is not None and not getattr(self, "_warned_outside", False):
                 self._warned_outside = True
@@ -244,7 +240,7 @@ class _CompressedExchangeMixin:
             total = _components(total)[0]
         else:
             total = tf.add_n(counts)
-        scale = float(self._container_strategy().num_replicas_in_sync)
+        scale = float(_tf_compat.container_strategy(self).num_replicas_in_sync)
         return [tf.math.divide_no_nan(scale * n, total) for n in counts]
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
@@ -263,7 +259,7 @@ class _CompressedExchangeMixin:
                                        for value, destination in value_destination_pairs]
         if self._exchange is None:
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
-        strategy = self._container_strategy()
+        strategy = _tf_compat.container_strategy(self)
         optimizer, variables = found
         self._check_momentum(optimizer)
         if (self._exchange.compressor.capabilities.variable_size
@@ -295,7 +291,7 @@ class _CompressedExchangeMixin:
 
     def _compressed_sum(self, reduce_op, local, options, names, state):
         """Sums (or means) `local[i][replica]` over every replica through the compressor."""
-        strategy = self._container_strategy()
+        strategy = _tf_compat.container_strategy(self)
         communicator = StrategyCommunicator(strategy, super()._batch_reduce_to, options)
         sums, stats = self._exchange.all_reduce(local, communicator, names, state)
         if reduce_op == tf.distribute.ReduceOp.MEAN:
