@@ -14,9 +14,9 @@ from keras.src.backend.tensorflow import optimizer_distribute_test as keras_opti
 
 import tfdist
 from tests.strategies import collective_program
+from tfdist import _replica_batches
 from tfdist.compression.base import num_selected
 from tfdist.launch import LocalCluster
-from tfdist.strategies import collective
 
 PROGRAM = collective_program.__file__
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -889,7 +889,7 @@ class UnevenBatchesTest(UnevenBatchesMixin, tf.test.TestCase, parameterized.Test
         for value, want in ((sparse, 5), (ragged, 3)):
             per_replica = strategy.experimental_distribute_values_from_function(
                 lambda context, value=value: value)
-            counts = collective._examples_per_replica((per_replica,))
+            counts = _replica_batches.examples_per_replica((per_replica,))
             self.assertEqual([int(n) for n in counts], [want, want])
 
     def test_a_replica_without_examples_leaves_batchnorm_finite(self):
