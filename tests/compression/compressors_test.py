@@ -569,6 +569,8 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
         self.assertTrue(tfdist.compression.get("dgc", warmup_steps=5)
                         .capabilities.variable_size)
         self.assertFalse(tfdist.compression.get("dgc").capabilities.variable_size)
+        self.assertTrue(tfdist.compression.get("topk", error_feedback=None).error_feedback)
+        self.assertFalse(tfdist.compression.get("none", error_feedback=None).error_feedback)
         with self.assertRaisesRegex(TypeError, "declares 2 rounds of exchange: it must "
                                                "implement `_exchange_rounds`"):
             type("TwoRounds", (Compressor,), {"CAPABILITIES": Capabilities(rounds=2)})

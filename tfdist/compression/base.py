@@ -148,7 +148,8 @@ class Compressor:
 
     def __init__(self, error_feedback=None, min_size=0, exclude=()):
         if error_feedback is None:
-            error_feedback = self.capabilities.lossy
+            # (The class's: a subclass's configuration is not set yet.)
+            error_feedback = type(self).CAPABILITIES.lossy
         check_bool("error_feedback", error_feedback)
         check_int("min_size", min_size, "an integer >= 0 (elements)", low=0)
         if isinstance(exclude, str) or not all(isinstance(e, str) for e in exclude):
