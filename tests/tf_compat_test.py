@@ -143,15 +143,20 @@ class Extended(Base):
                         for n in ast.walk(node)):
                     overrides.setdefault(node.name, set()).add(path)
         self.assertNotEmpty(overrides)
-        classes = _tfdist_classes()
-        missing = []
-        for name in sorted(overrides):
-            for cls in classes:
-                foreign = [c for c in cls.__mro__[1:]
-                           if not c.__module__.startswith("tfdist") and c is not object]
-                if name in cls.__dict__ and foreign and not any(
-                        hasattr(c, name) for c in foreign):
+        missing, checked = [], set()
+        for cls in _tfdist_classes():
+            foreign = [c for c in cls.__mro__
+                       if not c.__module__.startswith("tfdist") and c is not object]
+            for name in sorted(overrides) if foreign else ():
+                owner = next((c for c in cls.__mro__ if name in c.__dict__), None)
+                if owner is None or not owner.__module__.startswith("tfdist"):
+                    continue  # (another class's method of that name)
+                checked.add(name)
+                if not any(hasattr(c, name) for c in foreign):
                     missing.append(f"{cls.__module__}.{cls.__name__}.{name}")
+        # The hooks the strategies are built on are among those checked.
+        self.assertContainsSubset({"_batch_reduce_to", "_update", "_create_variable",
+                                   "_call_for_each_replica"}, checked)
         self.assertEmpty(missing, f"TF {tf.__version__} / Keras {keras.__version__} no "
                                   f"longer have the hooks these override: {missing}")
 
