@@ -183,14 +183,14 @@ def codec_timer(comp, real, replicas=2, repeats=5, unroll=10):
     different gradients), so the cost of calling a tf.function is spread thin; a
     measurement is the median of `repeats` calls.
     """
-    if comp.elementwise:  # fused into one vector, as the exchange does
+    if comp.capabilities.elementwise:  # fused into one vector, as the exchange does
         gradients = [tf.concat([tf.reshape(g, [-1]) for g in real], axis=0)]
     else:
         gradients = [g for g in real if comp.compressible(g.shape, g.dtype)]
     shapes = [g.shape for g in gradients]
     states = [comp.initial_state(s, tf.float32) for s in shapes]
     key = tf.constant([1, 0], tf.int64)
-    parts = 1 if comp.linear else replicas
+    parts = 1 if comp.capabilities.linear else replicas
 
     @tf.function
     def run():
@@ -249,8 +249,8 @@ def measure_exchange(names, steps, repeats):
             "bytes_sent": logs[name]["bytes_sent"][-1],
             "bytes_dense": logs[name]["bytes_dense"][-1],
             "bytes_ratio": logs[name]["bytes_dense"][-1] / logs[name]["bytes_sent"][-1],
-            "documented_bytes": comp.payload_bytes([size], tf.float32) if comp.elementwise
-            else None,
+            "documented_bytes": (comp.payload_bytes([size], tf.float32)
+                                 if comp.capabilities.elementwise else None),
             "step_seconds": seconds[name],
             "step_seconds_uncompressed": seconds["none"],
             "codec_seconds": seconds["codec"],

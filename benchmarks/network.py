@@ -129,7 +129,7 @@ def _cell(runs):
 def lossy(name):
     import tfdist
 
-    return name != "none" and tfdist.compression.get(name).lossy
+    return name != "none" and tfdist.compression.get(name).capabilities.lossy
 
 
 def main(argv):

@@ -220,10 +220,16 @@ def use_trace_time_instance_keys_in_loops(cross_device_ops):
     keys come from the per-device counter the call-time keys use, so a function that one
     worker alone traces (or retraces, for an input shape only it sees) shifts that worker's
     later keys against the others', and their collectives do not meet.
+
+    Returns the number of collective launchers changed (TF 2.21:
+    `CollectiveAllReduce._launchers` and `CollectiveReplicaLauncher._use_unique_instance_key`
+    in `tensorflow/python/distribute/cross_device_ops.py` and `cross_device_utils.py`; none for
+    cross-device ops that are not collective).
     """
     import types
 
-    for launcher in getattr(cross_device_ops, "_launchers", ()):
+    launchers = getattr(cross_device_ops, "_launchers", ())
+    for launcher in launchers:
         base = launcher._use_unique_instance_key  # pylint: disable=protected-access
 
         def use_unique_instance_key(self, base=base):
@@ -232,6 +238,7 @@ def use_trace_time_instance_keys_in_loops(cross_device_ops):
 
         launcher._use_unique_instance_key = types.MethodType(  # pylint: disable=protected-access
             use_unique_instance_key, launcher)
+    return len(launchers)
 
 
 def keras_variable_paths(optimizer, variables):
@@ -312,6 +319,10 @@ from tensorflow.python.distribute.values import PerReplica  # noqa: F401,E402
 # Keras 3 exposes no public name for an optimizer's trained variables (in order), a Keras
 # variable's TF storage as it is (`.value` may autocast it), its shape before its storage
 # exists, or an optimizer's own weight-decay rules; the ps engine needs each of them.
+# Checked against Keras 3.15: `BaseOptimizer._trainable_variables` (set in `build`),
+# `_iterations`, `_get_variable_index`, `_use_weight_decay` and `_apply_weight_decay` in
+# `keras/src/optimizers/base_optimizer.py`; `Variable._value` and `_shape` in
+# `keras/src/backend/common/variables.py`. `tests/tf_compat_test.py` runs each function.
 
 
 def keras_optimizer_trained_variables(optimizer):
@@ -377,8 +388,16 @@ def keras_optimizer_decays(optimizer, variable):
 
 
 def keras_optimizer_knows(optimizer, variable):
-    """Whether `optimizer` was built on Keras variable `variable`."""
-    return optimizer._get_variable_index(variable) is not None
+    """Whether `optimizer` was built on Keras variable `variable`.
+
+    Keras 3.15: `BaseOptimizer._get_variable_index` (`keras/src/optimizers/base_optimizer.py`)
+    looks the variable up in a dict, a `KeyError` for one it was not built on.
+    """
+    try:
+        optimizer._get_variable_index(variable)  # pylint: disable=protected-access
+    except KeyError:
+        return False
+    return True
 
 
 def keras_optimizer_apply_weight_decay(optimizer, variables):
@@ -415,3 +434,75 @@ def discard_remote_session(session):
     frees it in this process (checked on TF 2.21).
     """
     session._closed = True  # pylint: disable=protected-access
+
+
+# Strategy engines: the private state of TF's `StrategyExtended` classes a subclass reads --------
+# (Checked against TF 2.21.) A strategy's behaviour lives in its `StrategyExtended`; TF gives
+# a subclass no public name for the strategy it belongs to, for the one device of a
+# `OneDeviceExtended`, for a worker's place in a multi-worker cluster, or for the
+# cross-device ops doing its all-reduces.
+
+
+def container_strategy(extended):
+    """The `tf.distribute.Strategy` that `extended` (a `StrategyExtended`) belongs to.
+
+    TF 2.21: `StrategyExtendedV2._container_strategy` in
+    `tensorflow/python/distribute/distribute_lib.py` (a method reading a weak reference).
+    """
+    return extended._container_strategy()  # pylint: disable=protected-access
+
+
+def one_device(extended):
+    """The device string of a `OneDeviceExtended` (its one replica's, resolved).
+
+    TF 2.21: `OneDeviceExtended.__init__` sets `self._device = device_util.resolve(device)` in
+    `tensorflow/python/distribute/one_device_strategy.py`.
+    """
+    return extended._device  # pylint: disable=protected-access
+
+
+def worker_index_in_cluster(extended):
+    """The index of this worker among a multi-worker strategy's workers (0 for one process).
+
+    Replica `r` of this process is replica `index * len(worker_devices) + r` of the job, as
+    TF numbers them. TF 2.21: `CollectiveAllReduceExtended._id_in_cluster` (set in
+    `_initialize_local` and `_initialize_multi_worker` of
+    `tensorflow/python/distribute/collective_all_reduce_strategy.py`); a `MirroredExtended`
+    (one process) has none.
+    """
+    if isinstance(extended, CollectiveAllReduceExtended):
+        return extended._id_in_cluster  # pylint: disable=protected-access
+    return 0
+
+
+def cross_device_ops(extended):
+    """The distinct `CrossDeviceOps` a Mirrored / MultiWorkerMirrored extended reduces with.
+
+    TF 2.21: `MirroredExtended` keeps them in `_cross_device_ops` and, with its fallbacks,
+    `_collective_ops` (`tensorflow/python/distribute/mirrored_strategy.py`, `__init__` and
+    `_initialize_single_worker`); `CollectiveAllReduceExtended` in `_cross_device_ops` and
+    `_host_cross_device_ops` (`collective_all_reduce_strategy.py`, `_initialize_local` and
+    `_initialize_multi_worker`). Those not made (None) are left out.
+    """
+    found = []
+    for name in ("_collective_ops", "_cross_device_ops", "_host_cross_device_ops"):
+        ops = getattr(extended, name, None)
+        if ops is not None and all(ops is not other for other in found):
+            found.append(ops)
+    return found
+
+
+def keras_update_step_arguments(args):
+    """`(gradient, learning_rate)` if `args` of a `StrategyExtended.update` call are those of
+    a Keras optimizer's update step, else None (an assign of a moving average, an
+    accumulation of gradients, a user's own `update`).
+
+    Keras 3.15 gives no other sign: `TFOptimizer._distributed_tf_update_step`
+    (`keras/src/backend/tensorflow/optimizer.py`) calls
+    `distribution.extended.update(var, apply_grad_to_update_var, args=(grad, learning_rate),
+    group=False)`, its other `update` calls (`_overwrite_model_variables_with_average_value`,
+    gradient accumulation) pass one argument.
+    """
+    if len(args) != 2:
+        return None
+    return tuple(args)

@@ -1,11 +1,18 @@
 """Tests of the compressors: shapes, payload sizes, error feedback, registry round trips."""
 
+import dataclasses
+import re
+from unittest import mock
+
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
 import tfdist
 from tfdist.compression import quantize
+from tfdist.compression.base import Capabilities
+from tfdist.compression.base import Communicator
+from tfdist.compression.base import Compressor
 from tfdist.ps.push_codec import push_compressor
 
 ALL = [(name,) for name in ["none", "fp16", "bf16", "topk", "randomk", "threshold", "onebit",
@@ -16,6 +23,22 @@ GENERIC_MEMORY = [(name,) for name in ["fp16", "bf16", "topk", "randomk", "thres
 
 def nbytes(payload):
     return sum(int(tf.size(t)) * t.dtype.size for t in payload)
+
+
+class LocalCommunicator(Communicator):
+    """`num_replicas` replicas on this process's CPU: sums and gathers in memory."""
+
+    def __init__(self, num_replicas):
+        self.devices = ("/cpu:0",) * num_replicas
+        self.num_replicas = num_replicas
+
+    def all_reduce(self, tensors):
+        sums = [tf.add_n(list(column)) for column in zip(*tensors)]
+        return [list(sums) for _ in tensors]
+
+    def all_gather(self, tensors, sizes_vary=False):
+        del sizes_vary  # (the parts stay apart in memory)
+        return [[list(part) for part in tensors] for _ in tensors]
 
 
 class CompressorTest(tf.test.TestCase, parameterized.TestCase):
@@ -55,7 +78,7 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
         x = tf.random.stateless_normal([300, 40], seed=[3, 4])
         payload, _ = compressor.compress(x)
         documented = compressor.payload_bytes(x.shape, x.dtype)
-        if compressor.variable_size:
+        if compressor.capabilities.variable_size:
             self.assertLessEqual(nbytes(payload), documented)
         else:
             self.assertEqual(nbytes(payload), documented)
@@ -90,7 +113,7 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(tuple(t.dtype for t in payload),
                          compressor.payload_dtypes(tf.float16, x.shape))
         documented = compressor.payload_bytes(x.shape, tf.float16)
-        if compressor.variable_size:
+        if compressor.capabilities.variable_size:
             self.assertLessEqual(nbytes(payload), documented)
         elif name != "fp16":  # (fp16 does not compress what is float16 already)
             self.assertEqual(nbytes(payload), documented)
@@ -146,7 +169,7 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
         payloads = [compressor.compress(tf.random.stateless_normal([64, 32], seed=[i, 9]),
                                         key=key)[0] for i in range(3)]
         parts = [compressor.decompress(p, [64, 32], tf.float32, key) for p in payloads]
-        if compressor.aggregate == "majority vote":  # the vote, at the summed magnitude
+        if compressor.capabilities.aggregate == "majority vote":  # the vote, summed magnitude
             votes = tf.sign(tf.add_n([tf.sign(p) for p in parts]))
             scale = sum(float(p[1][0]) for p in payloads)
             parts = [votes * scale]
@@ -168,6 +191,38 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
                 self.assertAllEqual(new_state[state_name], value, msg=f"{name} {state_name}")
             decoded = compressor.decompress(payload, x.shape, x.dtype, key)
             self.assertFalse(np.all(np.isfinite(decoded.numpy())), f"{name} with {bad}")
+
+    @parameterized.parameters(ALL)
+    def test_a_non_finite_gradient_in_the_exchange_goes_through_the_base_guard(self, name):
+        # Two replicas, the first's gradient overflowed: every replica's sum is non-finite
+        # (the loss-scale logic skips the step) and the first keeps its state, through the
+        # base's finite-value guard for every compressor, PowerSGD's two rounds included.
+        compressor = tfdist.compression.get(name, error_feedback=True)  # a state to keep
+        capabilities = compressor.capabilities
+        shape = ([48 * 20] if capabilities.elementwise and not capabilities.per_tensor
+                 else [48, 20])
+        communicator = LocalCommunicator(2)
+        key = tf.constant([1, 0], tf.int64)
+        states = [[compressor.initial_state(shape, tf.float32) for _ in range(2)]]
+        warm = [[tf.random.stateless_normal(shape, seed=[r, 7]) for r in range(2)]]
+        _, states, _ = compressor.exchange(warm, states, communicator, key)
+        gradients = [[tf.random.stateless_normal(shape, seed=[r, 8]) for r in range(2)]]
+        flat = tf.reshape(gradients[0][0], [-1])
+        gradients[0][0] = tf.reshape(
+            tf.tensor_scatter_nd_update(flat, [[5]], [float("nan")]), shape)
+        guard = Compressor._guard_non_finite
+        with mock.patch.object(Compressor, "_guard_non_finite", autospec=True,
+                               side_effect=guard) as guarded:
+            sums, new_states, _ = compressor.exchange(gradients, states, communicator,
+                                                      key + 1)
+        self.assertLen(guarded.call_args_list, 2)  # once per replica
+        for r in range(2):
+            self.assertFalse(np.all(np.isfinite(sums[0][r].numpy())), f"{name} replica {r}")
+        self.assertNotEmpty(states[0][0])
+        for state_name, value in states[0][0].items():
+            self.assertAllEqual(new_states[0][0][state_name], value,
+                                msg=f"{name} {state_name}")
+        self.assertNotIn("exchange", type(compressor).__dict__)  # one exchange: the base's
 
     @parameterized.parameters([None, tf.float16])
     def test_dgc_accumulation_invariant(self, payload_dtype):
@@ -300,8 +355,9 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
                         self.assertEqual(payload[-1].dtype, index)
                     self.assertEqual(tuple(t.dtype for t in payload),
                                      compressor.payload_dtypes(tf.float32, x.shape))
-                    self.assertEqual(nbytes(payload) if not compressor.variable_size else 0,
-                                     0 if compressor.variable_size
+                    varies = compressor.capabilities.variable_size
+                    self.assertEqual(nbytes(payload) if not varies else 0,
+                                     0 if varies
                                      else compressor.payload_bytes(x.shape, tf.float32))
                     decoded = compressor.decompress_sum([payload, payload], x.shape, x.dtype)
                     if name in expected:
@@ -445,7 +501,7 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
     @parameterized.parameters(("fp16",), ("randomk",), ("none",))
     def test_linear_payloads_sum(self, name):
         compressor = tfdist.compression.get(name, error_feedback=False)
-        self.assertTrue(compressor.linear)
+        self.assertTrue(compressor.capabilities.linear)
         key = tf.constant([7, 0], tf.int64)
         xs = [tf.random.stateless_normal([30, 10], seed=[i, 0]) for i in range(3)]
         payloads = [compressor.compress(x, None, key)[0] for x in xs]
@@ -478,6 +534,46 @@ class CompressorTest(tf.test.TestCase, parameterized.TestCase):
             self.assertAllEqual(quantize.unpack_bits(quantize.pack_bits(bits), n), bits)
             codes = rng.integers(0, 4, n)
             self.assertAllEqual(quantize.unpack_pairs(quantize.pack_pairs(codes), n), codes)
+
+    @parameterized.parameters(ALL)
+    def test_capabilities_are_declared_complete_and_documented(self, name):
+        compressor = tfdist.compression.get(name)
+        capabilities = compressor.capabilities
+        self.assertIsInstance(capabilities, Capabilities)
+        # Declared by the compressor's own class (or a codec family's base), not inherited
+        # from `Compressor`'s defaults by omission.
+        declared_by = next(c for c in type(compressor).__mro__ if "CAPABILITIES" in c.__dict__)
+        self.assertIsNot(declared_by, Compressor, name)
+        documented = Capabilities.__doc__.split("Attributes:")[1]
+        config = compressor.get_config()
+        for field in dataclasses.fields(Capabilities):
+            value = getattr(capabilities, field.name)
+            self.assertIsInstance(value, field.type, f"{name}: {field.name}")
+            self.assertRegex(documented, rf"\n      {field.name}: \S", field.name)
+            # A capability is no attribute of its own beside `capabilities`, unless it is
+            # the compressor's configuration (`topk`'s `per_tensor` argument).
+            self.assertTrue(not hasattr(compressor, field.name) or field.name in config,
+                            f"{name}.{field.name}")
+        self.assertCountEqual(re.findall(r"^      (\w+): ", documented, re.M),
+                              [f.name for f in dataclasses.fields(Capabilities)])
+        with self.assertRaisesRegex(ValueError, r"`aggregate` must be one of \['sum', "
+                                                r"'majority vote'\]. Received: 'mean'"):
+            Capabilities(aggregate="mean")
+        with self.assertRaisesRegex(ValueError, "`linear` must be True or False. Received: 1"):
+            Capabilities(linear=1)
+
+    def test_configuration_sets_capabilities_apart_from_the_declaration(self):
+        topk = tfdist.compression.get("topk", per_tensor=True)
+        self.assertTrue(topk.capabilities.per_tensor)
+        self.assertFalse(tfdist.compression.TopKCompressor.CAPABILITIES.per_tensor)
+        self.assertTrue(tfdist.compression.get("dgc", warmup_steps=5)
+                        .capabilities.variable_size)
+        self.assertFalse(tfdist.compression.get("dgc").capabilities.variable_size)
+        self.assertTrue(tfdist.compression.get("topk", error_feedback=None).error_feedback)
+        self.assertFalse(tfdist.compression.get("none", error_feedback=None).error_feedback)
+        with self.assertRaisesRegex(TypeError, "declares 2 rounds of exchange: it must "
+                                               "implement `_exchange_rounds`"):
+            type("TwoRounds", (Compressor,), {"CAPABILITIES": Capabilities(rounds=2)})
 
     def test_errors_name_the_argument(self):
         get = tfdist.compression.get

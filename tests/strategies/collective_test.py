@@ -14,9 +14,9 @@ from keras.src.backend.tensorflow import optimizer_distribute_test as keras_opti
 
 import tfdist
 from tests.strategies import collective_program
+from tfdist import _replica_batches
 from tfdist.compression.base import num_selected
 from tfdist.launch import LocalCluster
-from tfdist.strategies import collective
 
 PROGRAM = collective_program.__file__
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -125,15 +125,15 @@ class CompressedMirroredTest(tf.test.TestCase, parameterized.TestCase):
         # N = 2: a ring all-reduce moves each replica's B once each way; an all-gather one
         # payload of the largest replica's size, after a shape word (and the sizes when they
         # vary), each way.
-        if strategy.compressor.linear:
+        if strategy.compressor.capabilities.linear:
             self.assertEqual(wire, 2 * sent)
         else:
             self.assertBetween(wire, 2 * sent, 2 * (2 * sent + 64))
         self.assertAllClose(history["compression_ratio"][-1], 2 * dense / wire)
         compressor = strategy.compressor
-        if not compressor.variable_size and compressor.elementwise:
+        if not compressor.capabilities.variable_size and compressor.capabilities.elementwise:
             # Quantisers and DGC code each gradient alone; the others one fused vector.
-            sizes = ([8 * 16, 16, 16 * 2, 2] if compressor.per_tensor
+            sizes = ([8 * 16, 16, 16 * 2, 2] if compressor.capabilities.per_tensor
                      else [int(history["bytes_dense"][-1]) // 4])
             self.assertEqual(history["bytes_sent"][-1], sum(
                 compressor.payload_bytes([n], tf.float32) for n in sizes))
@@ -896,7 +896,7 @@ class UnevenBatchesTest(UnevenBatchesMixin, tf.test.TestCase, parameterized.Test
         for value, want in ((sparse, 5), (ragged, 3)):
             per_replica = strategy.experimental_distribute_values_from_function(
                 lambda context, value=value: value)
-            counts = collective._examples_per_replica((per_replica,))
+            counts = _replica_batches.examples_per_replica((per_replica,))
             self.assertEqual([int(n) for n in counts], [want, want])
 
     def test_a_replica_without_examples_leaves_batchnorm_finite(self):

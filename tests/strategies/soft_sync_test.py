@@ -179,7 +179,7 @@ class CompressedPushTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(dense, 4 * (8 * 16 + 16 + 16 * 2 + 2))
         compressor = tfdist.compression.get(compression)
         self.assertLen(chief["placement"], num_ps)
-        if compressor.per_tensor:  # one ps task, the model's 4 variables coded apart
+        if compressor.capabilities.per_tensor:  # one ps task, the model's 4 variables coded apart
             want = sum(compressor.payload_bytes([n], tf.float32) for n in (128, 16, 32, 2))
         else:
             want = sum(compressor.payload_bytes([task["bytes_pushed"] // 4], tf.float32)

@@ -8,6 +8,7 @@ strategies through their `compression=` argument:
         compression=tfdist.compression.get("topk", ratio=0.01))
 """
 
+from tfdist.compression.base import Capabilities
 from tfdist.compression.base import Communicator
 from tfdist.compression.base import Compressor
 from tfdist.compression.base import ErrorFeedback
@@ -37,6 +38,7 @@ del _cls
 
 __all__ = [
     "BF16Compressor",
+    "Capabilities",
     "Communicator",
     "Compressor",
     "DGCCompressor",

@@ -13,6 +13,7 @@ start) is passed in and returned, and the caller keeps it in replica-local varia
 """
 
 import abc
+import dataclasses
 import math
 
 import tensorflow as tf
@@ -33,6 +34,76 @@ class ErrorFeedback:
 
     def update(self, compensated, sent):
         return compensated - sent
+
+
+_AGGREGATES = ("sum", "majority vote")
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a compressor's payloads allow: the one value the exchanges read about a codec.
+
+    Each `Compressor` subclass declares its own as `CAPABILITIES`; an instance's
+    `capabilities` is that value as its configuration sets it (`topk`'s `per_tensor`
+    argument, `dgc`'s warm-up). Every field says what the exchanges (the all-reduce
+    strategies' `GradientExchange`, the parameter-server push) do with it.
+
+    Attributes:
+      linear: payloads of several replicas can be summed element by element, then decoded
+        once: the all-reduce exchange sums them (one all-reduce); otherwise it all-gathers
+        every replica's payload and each replica decodes the parts and sums them.
+      elementwise: the compressor treats a tensor as a flat vector: the all-reduce exchange
+        may fuse the gradients of one dtype into one vector (buckets, one top-k over them),
+        and the ps push codes a shard's flat vector. False (PowerSGD's matrices): each
+        gradient is coded alone in its own shape, and the ps push refuses the compressor.
+      per_tensor: the compressor's scale or selection must be each gradient's own (a
+        quantiser's norm, DGC's per-layer top-k): neither the exchange nor the ps push
+        fuses gradients.
+      lossy: decoding does not give back the input exactly: error feedback is on by
+        default (the constructor's `error_feedback=None`).
+      variable_size: a payload's size follows the data (threshold, DGC's warm-up): the
+        all-gather sends the sizes first, and an XLA-compiled step is refused.
+      own_memory: the compressor keeps what it left out in its own state (DGC's
+        accumulation): no `residual` state is made and `ErrorFeedback` is not applied; a
+        payload rounded to a narrower dtype goes through `_keep_rounding` instead.
+      aggregate: how the replicas' payloads combine: "sum", or "majority vote" (signsgd_mv:
+        every replica decodes every part, so the ps push, which averages, refuses it).
+      replicated_state: names of state every replica holds alike (PowerSGD's Q, DGC's
+        step): saved once, and broadcast from the first replica between workers after a
+        start or a restore.
+      shared_key: choices drawn from the step key must agree across replicas (random-k's
+        indices, which do not travel): the step counter is broadcast between workers after
+        a start or a restore, like `replicated_state`.
+      rounds: the collective rounds of one exchange. 1: each replica compresses, one
+        all-reduce or all-gather, each decodes. More (PowerSGD: two all-reduces): the
+        compressor implements `_exchange_rounds`, the exchange keeps error feedback and
+        the finite-value guard, and the ps push (one message per step) refuses it.
+    """
+
+    linear: bool = False
+    elementwise: bool = True
+    per_tensor: bool = False
+    lossy: bool = True
+    variable_size: bool = False
+    own_memory: bool = False
+    aggregate: str = "sum"
+    replicated_state: frozenset = frozenset()
+    shared_key: bool = False
+    rounds: int = 1
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if field.type is bool:
+                check_bool(field.name, getattr(self, field.name))
+        if self.aggregate not in _AGGREGATES:
+            raise ValueError(f"`aggregate` must be one of {list(_AGGREGATES)}. Received: "
+                             f"{self.aggregate!r}")
+        if isinstance(self.replicated_state, str) or not all(
+                isinstance(name, str) for name in self.replicated_state):
+            raise ValueError(f"`replicated_state` must be a set of state names. Received: "
+                             f"{self.replicated_state!r}")
+        object.__setattr__(self, "replicated_state", frozenset(self.replicated_state))
+        check_int("rounds", self.rounds, "an integer >= 1 (collective rounds)", low=1)
 
 
 class Compressor:
@@ -56,33 +127,29 @@ class Compressor:
       exclude: gradients of variables whose path contains one of these strings (e.g.
         `["bias", "embedding"]`) are sent uncompressed.
 
-    Attributes:
-      linear: payloads of several replicas can be summed, then decoded once (all-reduce).
-      elementwise: the compressor treats a tensor as a flat vector, so the exchange may fuse
-        gradients of one dtype into one vector first (one top-k over them).
-      per_tensor: the compressor's scale or selection must be each gradient's own (a
-        quantiser's norm, DGC's per-layer top-k): the exchange never fuses gradients.
-      lossy: decoding does not give back the input exactly.
-      replicated_state: names of the state every replica holds alike (PowerSGD's Q, DGC's
-        step), saved once and broadcast from replica 0 after a restore.
-      shared_key: the compressor draws choices from the step key that every replica must
-        draw alike (random-k's indices, which do not travel).
+    What the exchanges may do with a compressor's payloads (sum them, fuse gradients, ...)
+    is declared once per class as `CAPABILITIES` (a `Capabilities`); `capabilities` is an
+    instance's. A compressor with several collective rounds (PowerSGD) implements
+    `_exchange_rounds`; `exchange` keeps error feedback and the finite-value guard for it.
     """
 
     name = None
-    linear = False
-    elementwise = True
-    lossy = True
-    variable_size = False  # the payload's size follows the data
-    own_memory = False  # the compressor keeps its own residual (DGC's accumulation)
-    per_tensor = False
-    aggregate = "sum"  # how the replicas' payloads combine (signsgd_mv: "majority vote")
-    replicated_state = frozenset()  # state every replica holds alike (saved once)
-    shared_key = False  # choices drawn from the step key must agree across replicas
+    CAPABILITIES = Capabilities()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not isinstance(cls.CAPABILITIES, Capabilities):
+            raise TypeError(f"{cls.__name__}.CAPABILITIES must be a "
+                            f"tfdist.compression.Capabilities. Received: {cls.CAPABILITIES!r}")
+        if (cls.CAPABILITIES.rounds > 1
+                and cls._exchange_rounds is Compressor._exchange_rounds):
+            raise TypeError(f"{cls.__name__} declares {cls.CAPABILITIES.rounds} rounds of "
+                            f"exchange: it must implement `_exchange_rounds`")
 
     def __init__(self, error_feedback=None, min_size=0, exclude=()):
         if error_feedback is None:
-            error_feedback = self.lossy
+            # (The class's: a subclass's configuration is not set yet.)
+            error_feedback = type(self).CAPABILITIES.lossy
         check_bool("error_feedback", error_feedback)
         check_int("min_size", min_size, "an integer >= 0 (elements)", low=0)
         if isinstance(exclude, str) or not all(isinstance(e, str) for e in exclude):
@@ -92,6 +159,17 @@ class Compressor:
         self.min_size = min_size
         self.exclude = tuple(exclude)
         self.memory = ErrorFeedback()
+
+    @property
+    def capabilities(self):
+        """This compressor's `Capabilities`: its class's `CAPABILITIES`, as its
+        configuration sets them (subclasses whose arguments change one override this)."""
+        return type(self).CAPABILITIES
+
+    @property
+    def _uses_memory(self):
+        """Whether `ErrorFeedback` keeps this compressor's residual."""
+        return self.error_feedback and not self.capabilities.own_memory
 
     def takes(self, path, shape, dtype):
         """Whether the exchange compresses the gradient of variable `path` (else sends it as
@@ -125,9 +203,10 @@ class Compressor:
         return tf.add_n([self._decompress(p, shape, dtype, key) for p in payloads])
 
     def _keep_rounding(self, new_state, exact, sent):
-        """A compressor with its own memory (`own_memory`): `new_state` from `_compress`
-        given that its payload `exact` travels as `sent` (in a narrower dtype), so that the
-        memory keeps what the rounding left out, as `ErrorFeedback` does for the others."""
+        """A compressor with its own memory (`capabilities.own_memory`): `new_state` from
+        `_compress` given that its payload `exact` travels as `sent` (in a narrower dtype), so
+        that the memory keeps what the rounding left out, as `ErrorFeedback` does for the
+        others."""
         del exact, sent
         return new_state
 
@@ -162,7 +241,7 @@ class Compressor:
         if not self.compressible(shape, dtype):
             return {}
         spec = dict(self.state_spec(shape, dtype))
-        if self.error_feedback and not self.own_memory:
+        if self._uses_memory:
             spec["residual"] = (shape, dtype)
         return {name: tf.zeros(s, d) for name, (s, d) in spec.items()}
 
@@ -179,22 +258,30 @@ class Compressor:
         if not self.compressible(tensor.shape, tensor.dtype):
             return (tensor,), state
         key = _key(key)
-        # A non-finite gradient (an fp16 overflow) leaves the state as it was, and its
-        # payload's values come out NaN, so that the sums stay non-finite (a threshold never
-        # passes a NaN) and a LossScaleOptimizer skips the step, as without compression.
         finite = tf.reduce_all(tf.math.is_finite(tensor))
-        memory = self.error_feedback and not self.own_memory
-        if memory:
-            tensor = self.memory.compensate(tensor, state["residual"])
+        tensor = self._compensate(tensor, state)
         payload, new_state = self._compress(tensor, state, key)
         if dtype is not None and tf.as_dtype(dtype) != tensor.dtype:
             exact = tuple(payload)
             payload = _cast_floats(payload, self.payload_dtypes(dtype, tensor.shape))
-            if self.own_memory and self.error_feedback:
+            if self.capabilities.own_memory and self.error_feedback:
                 new_state = self._keep_rounding(new_state, exact, payload)
         new_state = {**state, **new_state}
-        if memory:
+        if self._uses_memory:
             new_state["residual"] = self._residual(tensor, tuple(payload), key)
+        return self._guard_non_finite(finite, payload, new_state, state)
+
+    def _compensate(self, tensor, state):
+        """`tensor` plus the residual of earlier steps (error feedback), if kept."""
+        if not self._uses_memory:
+            return tensor
+        return self.memory.compensate(tensor, state["residual"])
+
+    def _guard_non_finite(self, finite, payload, new_state, state):
+        """`(payload, new_state)` of a gradient that was not all `finite` (an fp16 overflow):
+        the state stays as it was, and the payload's values come out NaN so that the sums
+        stay non-finite (a threshold never passes a NaN) and a LossScaleOptimizer skips the
+        step, as without compression."""
         payload = tuple(tf.where(finite, p, tf.constant(float("nan"), p.dtype))
                         if p.dtype.is_floating else p for p in payload)
         new_state = {name: tf.where(finite, value, state[name]) if name in state else value
@@ -238,6 +325,8 @@ class Compressor:
           `(sums, new_states, sent_bytes)`: `sums[unit][replica]` the sum over all replicas,
           the new states, and the bytes one replica sent (a scalar tensor).
         """
+        if self.capabilities.rounds > 1:
+            return self._exchange_compensated(tensors, states, communicator, key, dtypes)
         payloads = [[None] * len(unit) for unit in tensors]
         new_states = [[None] * len(unit) for unit in tensors]
         devices = communicator.devices
@@ -250,11 +339,12 @@ class Compressor:
         # Every unit's payload tensors go in one collective call: summed when the payloads
         # are linear (decoded once), else gathered (each replica's part decoded, then summed).
         flat = [[t for unit in payloads for t in unit[r]] for r in range(len(devices))]
-        if self.linear:
+        if self.capabilities.linear:
             received = [[tensors_r] for tensors_r in communicator.all_reduce(flat)]
         else:
             # [local][global replica][tensor]
-            received = communicator.all_gather(flat, sizes_vary=self.variable_size)
+            received = communicator.all_gather(flat,
+                                               sizes_vary=self.capabilities.variable_size)
         sums = [[None] * len(unit) for unit in tensors]
         for r in range(len(devices)):
             at = 0
@@ -265,6 +355,56 @@ class Compressor:
                                                      unit[r].shape, unit[r].dtype, key)
                 at += n
         return sums, new_states, sent
+
+    def _exchange_compensated(self, tensors, states, communicator, key, dtypes):
+        """`exchange` for a compressor of several rounds: error feedback and the
+        finite-value guard around its `_exchange_rounds`."""
+        devices = communicator.devices
+        finite = [[None] * len(unit) for unit in tensors]
+        compensated = [[None] * len(unit) for unit in tensors]
+        for u, unit in enumerate(tensors):
+            for r, tensor in enumerate(unit):
+                with tf.device(devices[r]):
+                    tensor = tf.convert_to_tensor(tensor)
+                    finite[u][r] = tf.reduce_all(tf.math.is_finite(tensor))
+                    compensated[u][r] = self._compensate(tensor, states[u][r])
+        sums, own, rounds_states, sent = self._exchange_rounds(
+            compensated, states, communicator, key, dtypes)
+        new_states = [[None] * len(unit) for unit in tensors]
+        for u, unit in enumerate(tensors):
+            for r in range(len(unit)):
+                with tf.device(devices[r]):
+                    new_state = {**states[u][r], **rounds_states[u][r]}
+                    if self._uses_memory:
+                        new_state["residual"] = self._residual(compensated[u][r], own[u][r],
+                                                               key)
+                    # A non-finite gradient anywhere makes the sum non-finite on every
+                    # replica: each keeps its state (the state every replica holds alike
+                    # stays alike), and the sum goes on for the loss-scale logic.
+                    finite[u][r] = tf.logical_and(
+                        finite[u][r], tf.reduce_all(tf.math.is_finite(sums[u][r])))
+                    _, new_states[u][r] = self._guard_non_finite(
+                        finite[u][r], (), new_state, states[u][r])
+        return sums, new_states, sent
+
+    def _exchange_rounds(self, compensated, states, communicator, key, dtypes):
+        """The collective rounds of a compressor with `capabilities.rounds > 1`.
+
+        Args:
+          compensated: `compensated[unit][replica]`, the tensors with error feedback's
+            residual added (`exchange`'s layout).
+          states: their states (the residual is `exchange`'s to update).
+          communicator, key, dtypes: as for `exchange`.
+
+        Returns:
+          `(sums, own, new_states, sent_bytes)`: the decoded sums over every replica, per
+          unit and replica the payload that stands for what this replica sent (error
+          feedback keeps `compensated` minus what it decodes to), the state this compressor
+          changes, and the bytes one replica sent.
+        """
+        del compensated, states, communicator, key, dtypes
+        raise TypeError(f"{type(self).__name__} exchanges in one round: `exchange` does not "
+                        f"call `_exchange_rounds`")
 
     # Configuration -----------------------------------------------------------------------
 

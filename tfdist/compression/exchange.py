@@ -164,9 +164,10 @@ class GradientExchange:
     """A compressor's state and statistics for one strategy's gradient all-reduce.
 
     Each gradient is compressed on its own when the compressor's scale or selection must be
-    its own (`per_tensor`: quantisers, DGC, PowerSGD); the others' gradients of one dtype are
-    fused into buckets of at most `bucket_bytes` (as Horovod's fusion buffer and PyTorch DDP's
-    buckets are), so that a top-k ranks across layers. Gradients the compressor does not take
+    its own (`capabilities.per_tensor`: quantisers, DGC) or it codes a tensor in its own
+    shape (not `elementwise`: PowerSGD); the others' gradients of one dtype are fused into
+    buckets of at most `bucket_bytes` (as Horovod's fusion buffer and PyTorch DDP's buckets
+    are), so that a top-k ranks across layers. Gradients the compressor does not take
     (`Compressor.takes`: integers, tensors under `min_size`, excluded names) are all-reduced
     exactly. Compressor state (residuals, PowerSGD's Q, DGC's velocity) is kept in float32
     replica-local variables keyed by the variables' names, whatever the gradients' dtype.
@@ -192,11 +193,12 @@ class GradientExchange:
     def _units(self, gradients, names):
         """Lists of gradient indices compressed together, and the indices sent exactly."""
         compressor = self.compressor
+        capabilities = compressor.capabilities
         take = [i for i, g in enumerate(gradients)
                 if compressor.takes(names[i], g[0].shape, g[0].dtype)]
         taken = set(take)
         exact = [i for i in range(len(gradients)) if i not in taken]
-        if compressor.per_tensor or not compressor.elementwise:
+        if capabilities.per_tensor or not capabilities.elementwise:
             return [[i] for i in take], exact
         units, sizes = {}, {}
         for i in take:
@@ -226,6 +228,7 @@ class GradientExchange:
         same gradients weigh uncompressed).
         """
         compressor = self.compressor
+        capabilities = compressor.capabilities
         if names is None:
             names = [f"gradient_{i}" for i in range(len(gradients))]
         replicas = range(len(communicator.devices))
@@ -246,7 +249,7 @@ class GradientExchange:
                     # Compressed in float32 (state too): an fp16 model keeps its residuals.
                     fused.append(tf.concat([tf.reshape(tf.cast(gradients[i][r], tf.float32),
                                                        [-1]) for i in unit], axis=0)
-                                 if compressor.elementwise else
+                                 if capabilities.elementwise else
                                  tf.cast(tf.convert_to_tensor(gradients[unit[0]][r]),
                                          tf.float32))
             tensors.append(fused)
@@ -255,10 +258,10 @@ class GradientExchange:
             unit_keys.append(unit_key)
             variables.append(state.get(
                 unit_key, lambda s=first.shape: compressor.initial_state(s, tf.float32),
-                replicated=compressor.replicated_state))
+                replicated=capabilities.replicated_state))
         synchronized = []
         if (communicator.num_replicas > len(communicator.devices)
-                and (compressor.replicated_state or compressor.shared_key)):
+                and (capabilities.replicated_state or capabilities.shared_key)):
             # Several workers: the state each holds alike must be alike (one process's
             # replicas are restored alike).
             shared = [("step", step)] + [

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tfdist._args import check_int
 from tfdist._args import check_number
+from tfdist.compression.base import Capabilities
 from tfdist.compression.base import Compressor
 from tfdist.compression.base import sum_payload_bytes
 
@@ -43,9 +44,9 @@ class PowerSGDCompressor(Compressor):
     """
 
     name = "powersgd"
-    linear = True
-    elementwise = False
-    replicated_state = frozenset({"q"})  # made from the all-reduced factors
+    # Q is made from the all-reduced factors: every replica holds it alike.
+    CAPABILITIES = Capabilities(linear=True, elementwise=False, replicated_state={"q"},
+                                rounds=2)
 
     def __init__(self, rank=1, min_compression_rate=2.0, seed=0, error_feedback=True,
                  **kwargs):
@@ -99,56 +100,42 @@ class PowerSGDCompressor(Compressor):
         del dtype, shape
         return (tf.float32, tf.float32)
 
-    # The two-round exchange.
+    # The two-round exchange (error feedback and the finite-value guard are the base's).
 
-    def exchange(self, tensors, states, communicator, key, dtypes=None):
+    def _exchange_rounds(self, compensated, states, communicator, key, dtypes):
         del key, dtypes  # the factors travel in float32 (`payload_dtypes`)
         devices = communicator.devices
         replicas = range(len(devices))
-        matrices, compensated = [], []
-        for u, unit in enumerate(tensors):
-            matrices.append([]), compensated.append([])
+        units = range(len(compensated))
+        matrices = [[None] * len(devices) for _ in units]
+        for u in units:
             for r in replicas:
                 with tf.device(devices[r]):
-                    x = tf.convert_to_tensor(unit[r])
-                    if self.error_feedback:
-                        x = self.memory.compensate(x, states[u][r]["residual"])
-                    compensated[u].append(x)
-                    matrices[u].append(tf.reshape(tf.cast(x, tf.float32),
-                                                  matrix_shape(x.shape)))
-        ps = [[matrices[u][r] @ states[u][r]["q"] for u in range(len(tensors))]
-              for r in replicas]
+                    x = compensated[u][r]
+                    matrices[u][r] = tf.reshape(tf.cast(x, tf.float32), matrix_shape(x.shape))
+        ps = [[matrices[u][r] @ states[u][r]["q"] for u in units] for r in replicas]
         p_sums = communicator.all_reduce(ps)
-        p_hats = [[None] * len(tensors) for _ in replicas]
-        qs = [[None] * len(tensors) for _ in replicas]
+        p_hats = [[None] * len(compensated) for _ in replicas]
+        qs = [[None] * len(compensated) for _ in replicas]
         for r in replicas:
             with tf.device(devices[r]):
-                for u in range(len(tensors)):
+                for u in units:
                     p_hats[r][u] = orthonormalize(p_sums[r][u])
                     qs[r][u] = tf.transpose(matrices[u][r]) @ p_hats[r][u]
         q_sums = communicator.all_reduce(qs)
-        sums = [[None] * len(unit) for unit in tensors]
-        new_states = [[None] * len(unit) for unit in tensors]
-        for u, unit in enumerate(tensors):
+        sums = [[None] * len(devices) for _ in units]
+        own = [[None] * len(devices) for _ in units]
+        new_states = [[None] * len(devices) for _ in units]
+        for u in units:
             for r in replicas:
                 with tf.device(devices[r]):
-                    shape, dtype = unit[r].shape, unit[r].dtype
+                    x = compensated[u][r]
                     total = p_hats[r][u] @ tf.transpose(q_sums[r][u])
-                    sums[u][r] = tf.reshape(tf.cast(total, dtype), shape)
-                    new_state = dict(states[u][r])
-                    new_state["q"] = q_sums[r][u]
-                    if self.error_feedback:
-                        own = tf.reshape(tf.cast(p_hats[r][u] @ tf.transpose(qs[r][u]), dtype),
-                                         shape)
-                        new_state["residual"] = self.memory.update(compensated[u][r], own)
-                    # A non-finite gradient anywhere makes the sum non-finite on every
-                    # replica: each keeps its Q and residual (the sum goes on, for the
-                    # loss-scale logic).
-                    finite = tf.reduce_all(tf.math.is_finite(total))
-                    new_states[u][r] = {name: tf.where(finite, value, states[u][r][name])
-                                        for name, value in new_state.items()}
+                    sums[u][r] = tf.reshape(tf.cast(total, x.dtype), x.shape)
+                    own[u][r] = (p_hats[r][u], qs[r][u])  # decodes to this replica's part
+                    new_states[u][r] = {"q": q_sums[r][u]}
         sent = sum_payload_bytes([ps[0], qs[0]])
-        return sums, new_states, sent
+        return sums, own, new_states, sent
 
     def get_config(self):
         return {"rank": self.rank, "min_compression_rate": self.min_compression_rate,

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tfdist._args import check_int
 from tfdist._args import check_number
+from tfdist.compression.base import Capabilities
 from tfdist.compression.base import Compressor
 from tfdist.compression.base import saturating_cast
 
@@ -87,8 +88,7 @@ class NoCompression(Compressor):
     """Sends the gradient as it is (the reference for every ratio)."""
 
     name = "none"
-    linear = True
-    lossy = False
+    CAPABILITIES = Capabilities(linear=True, lossy=False)
 
 
 class FP16Compressor(Compressor):
@@ -98,7 +98,7 @@ class FP16Compressor(Compressor):
     """
 
     name = "fp16"
-    linear = True
+    CAPABILITIES = Capabilities(linear=True)
     wire_dtype = tf.float16
 
     def __init__(self, error_feedback=False, **kwargs):
@@ -139,7 +139,7 @@ class _SignBitsCompressor(Compressor, abc.ABC):
     """
 
     num_scales = 1
-    per_tensor = True  # the scales are each tensor's own
+    CAPABILITIES = Capabilities(per_tensor=True)  # the scales are each tensor's own
 
     @abc.abstractmethod
     def _scales(self, flat, positive):
@@ -230,7 +230,7 @@ class MajorityVoteCompressor(SignSGDCompressor):
     """
 
     name = "signsgd_mv"
-    aggregate = "majority vote"
+    CAPABILITIES = Capabilities(per_tensor=True, aggregate="majority vote")
 
     def __init__(self, error_feedback=False, **kwargs):
         super().__init__(error_feedback=error_feedback, **kwargs)
@@ -260,7 +260,7 @@ class TernGradCompressor(Compressor):
     """
 
     name = "terngrad"
-    per_tensor = True  # the scale is each tensor's own max
+    CAPABILITIES = Capabilities(per_tensor=True)  # the scale is each tensor's own max
 
     def __init__(self, clip=2.5, error_feedback=False, **kwargs):
         check_number("clip", clip, "None or a positive number of standard deviations", low=0,
@@ -314,7 +314,7 @@ class QSGDCompressor(Compressor):
     """
 
     name = "qsgd"
-    per_tensor = True  # the norms are each tensor's own
+    CAPABILITIES = Capabilities(per_tensor=True)  # the norms are each tensor's own
 
     def __init__(self, levels=127, bucket_size=512, error_feedback=False, **kwargs):
         check_int("levels", levels, "an integer between 1 and 127 (int8 codes)", low=1,

@@ -12,6 +12,7 @@ Payload sizes for a gradient of n elements of b bytes, k = max(1, floor(ratio * 
 Indices and threshold codes are int64 (8 bytes) in tensors of 2^31 elements or more.
 """
 
+import dataclasses
 import math
 
 import tensorflow as tf
@@ -20,6 +21,7 @@ from tfdist._args import check_bool
 from tfdist._args import check_fraction
 from tfdist._args import check_int
 from tfdist._args import check_number
+from tfdist.compression.base import Capabilities
 from tfdist.compression.base import Compressor
 from tfdist.compression.base import num_selected
 
@@ -118,11 +120,17 @@ class TopKCompressor(Compressor):
     """
 
     name = "topk"
+    CAPABILITIES = Capabilities()
 
     def __init__(self, ratio=0.01, error_feedback=True, per_tensor=False, **kwargs):
         super().__init__(error_feedback=error_feedback, **kwargs)
         self.ratio = check_fraction("ratio", ratio)
         self.per_tensor = check_bool("per_tensor", per_tensor)
+
+    @property
+    def capabilities(self):
+        # The `per_tensor` argument chooses whether the exchange may fuse gradients.
+        return dataclasses.replace(super().capabilities, per_tensor=self.per_tensor)
 
     def _select(self, flat, state, key):
         del state, key
@@ -168,8 +176,7 @@ class RandomKCompressor(Compressor):
     """
 
     name = "randomk"
-    linear = True
-    shared_key = True
+    CAPABILITIES = Capabilities(linear=True, shared_key=True)
 
     def __init__(self, ratio=0.01, seed=0, error_feedback=True, **kwargs):
         super().__init__(error_feedback=error_feedback, **kwargs)
@@ -262,7 +269,7 @@ class ThresholdCompressor(Compressor):
     """
 
     name = "threshold"
-    variable_size = True
+    CAPABILITIES = Capabilities(variable_size=True)
 
     def __init__(self, threshold=0.01, error_feedback=True, entropy_coding=False, **kwargs):
         super().__init__(error_feedback=error_feedback, **kwargs)
@@ -365,8 +372,8 @@ class DGCCompressor(TopKCompressor):
     """
 
     name = "dgc"
-    own_memory = True
-    replicated_state = frozenset({"step"})
+    # The step (of the warm-up) is counted alike on every replica.
+    CAPABILITIES = Capabilities(own_memory=True, replicated_state={"step"})
 
     def __init__(self, ratio=0.001, momentum=0.9, clip_norm=None, warmup_steps=0,
                  initial_ratio=0.25, error_feedback=True, per_tensor=True, **kwargs):
@@ -380,7 +387,11 @@ class DGCCompressor(TopKCompressor):
         self.clip_norm = None if clip_norm is None else float(clip_norm)
         self.warmup_steps = warmup_steps
         self.initial_ratio = check_fraction("initial_ratio", initial_ratio)
-        self.variable_size = warmup_steps > 0
+
+    @property
+    def capabilities(self):
+        # The payload's size follows the density, which changes during a warm-up.
+        return dataclasses.replace(super().capabilities, variable_size=self.warmup_steps > 0)
 
     def state_spec(self, shape, dtype):
         return {"velocity": (shape, dtype), "accumulation": (shape, dtype),

@@ -13,7 +13,7 @@ fresh model before `fit` restores the codec state too.
 
 Each replica's own state (residuals, momentum) is saved under its global replica number;
 state that every replica holds alike (PowerSGD's Q, step counters: a compressor's
-`replicated_state`) once. Under MultiWorkerMirroredStrategy each worker saves its own
+`capabilities.replicated_state`) once. Under MultiWorkerMirroredStrategy each worker saves its own
 replicas; a worker restoring another's file (Keras restores every worker from the chief's)
 finds the shared state there and starts its own residuals from zero.
 """

@@ -168,7 +168,7 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
 
     def _update(self, var, fn, args, kwargs, group):
         step = getattr(self._tls, "step", None)
-        if step is None or len(args) != 2:
+        if step is None or _tf_compat.keras_update_step_arguments(args) is None:
             return super()._update(var, fn, args, kwargs, group)
         # The optimizer's step moves x = w z with the gradient taken at z; the variable holds
         # z again after it (a step the optimizer skips, e.g. a non-finite loss-scaled one,

@@ -71,8 +71,9 @@ class Push(abc.ABC):
 
     @abc.abstractmethod
     def update(self, step, variable, args):
-        """An update of `variable` inside a step (`args`: two, the gradient first, for an
-        optimizer's); returns whether it runs on this worker."""
+        """An update of `variable` inside a step (`args`: an optimizer's update step's when
+        `_tf_compat.keras_update_step_arguments` finds its gradient in them); returns whether
+        it runs on this worker."""
 
     def after_step(self):
         """After the outermost replica call of a step that trained (by default, nothing:
@@ -122,7 +123,7 @@ class Push(abc.ABC):
         return {step: stats[protocol.STAT_STEP], dropped: stats[protocol.STAT_DROPPED]}
 
     def _strategy_name(self):
-        return type(self.engine._container_strategy()).__name__
+        return type(_tf_compat.container_strategy(self.engine)).__name__
 
 
 class GradientPush(Push):
@@ -164,13 +165,15 @@ class GradientPush(Push):
     def update(self, step, variable, args):
         # A worker's optimizer step is the ps's job: the gradient is recorded, and pushed
         # once the last gradient of the all-reduce has its variable.
-        if len(args) == 2 and step.trained:
+        arguments = _tf_compat.keras_update_step_arguments(args)
+        if arguments is not None and step.trained:
             raise ValueError(
                 "a second optimizer update in one train step: tfdist parameter-server "
                 "strategies push one `optimizer.apply` per step (a train step with two "
                 "optimizers, as in a GAN, is not supported)")
-        if len(args) == 2:
-            step.recorded.append((variable, args[0]))
+        if arguments is not None:
+            gradient, _ = arguments
+            step.recorded.append((variable, gradient))
             if len(step.recorded) == step.expected:
                 self._push(step)
         return False
@@ -382,15 +385,16 @@ class ModelPush(Push):
                 else None)
 
     def update(self, step, variable, args):
-        if len(args) == 2 and self.optimizer is None:
+        optimizer_step = _tf_compat.keras_update_step_arguments(args) is not None
+        if optimizer_step and self.optimizer is None:
             self.optimizer = _tf_compat.keras_optimizer_in_scope()
             if self.optimizer is not None:
                 self.check_optimizer(self.optimizer, self._strategy_name())
                 if self.outer is not None:
                     self.outer.attach(self.optimizer)
-        if len(args) == 2:
+        if optimizer_step:
             self.rows.track(variable, args[0])  # (a table averaged by rows: its rows)
-        step.trained = step.trained or len(args) == 2
+        step.trained = step.trained or optimizer_step
         return True  # the worker trains its own copy
 
     def after_step(self):
@@ -434,7 +438,7 @@ class ModelPush(Push):
         """With compression: the shard's model at the last average."""
         if shard not in self._bases:
             size = self.engine._layouts[shard].main_size
-            with tf.init_scope(), tf.device(self.engine._device):
+            with tf.init_scope(), tf.device(_tf_compat.one_device(self.engine)):
                 self._bases[shard] = tf.Variable(tf.zeros([size]), trainable=False,
                                                  name="tfdist_base")
         return self._bases[shard]
@@ -493,7 +497,7 @@ class ModelPush(Push):
                 "trains, and this train step trains none under the strategy's scope: train "
                 "with `model.fit` (or `optimizer.apply`) on a model built and compiled inside "
                 "`with strategy.scope():`")
-        with tf.init_scope(), self.engine._container_strategy().scope():
+        with tf.init_scope(), _tf_compat.container_strategy(self.engine).scope():
             self.outer.build(trained)
         return {id(storage(v)): {"outer": True} for v in trained}
 

@@ -20,22 +20,30 @@ from tfdist.ps.wire import push_key
 def push_compressor(compression):
     """The compressor for the ps push path, or None; refuses those that need all-reduce."""
     compressor = compression_lib.get(compression)
-    if compressor is not None and compressor.aggregate != "sum":
-        allowed = [name for name in compression_lib.names()
-                   if compression_lib.get(name).elementwise
-                   and compression_lib.get(name).aggregate == "sum"]
-        raise ValueError(
-            f"`compression`={compressor.name!r} combines the replicas' payloads by "
-            f"{compressor.aggregate}, which every replica takes from all the others (an "
-            f"all-gather); a ps averages the pushes it decodes. Allowed here: {allowed}")
-    if compressor is not None and not compressor.elementwise:
-        allowed = [name for name in compression_lib.names()
-                   if compression_lib.get(name).elementwise]
-        raise ValueError(
-            f"`compression`={compressor.name!r} needs rounds of all-reduce between the "
-            f"replicas; a parameter-server push carries one message per step. Allowed "
-            f"here: {allowed}")
-    return compressor
+    if compressor is None:
+        return None
+    capabilities = compressor.capabilities
+    if _pushable(capabilities):
+        return compressor
+    allowed = [name for name in compression_lib.names()
+               if _pushable(compression_lib.get(name).capabilities)]
+    if capabilities.aggregate != "sum":
+        why = (f"combines the replicas' payloads by {capabilities.aggregate}, which every "
+               f"replica takes from all the others (an all-gather); a ps averages the pushes "
+               f"it decodes")
+    elif capabilities.rounds > 1:
+        why = ("needs rounds of all-reduce between the replicas; a parameter-server push "
+               "carries one message per step")
+    else:
+        why = ("codes each gradient in its own shape; a parameter-server push codes a "
+               "shard's variables as one flat vector")
+    raise ValueError(f"`compression`={compressor.name!r} {why}. Allowed here: {allowed}")
+
+
+def _pushable(capabilities):
+    """Whether a compressor of `capabilities` can code a parameter-server push."""
+    return (capabilities.aggregate == "sum" and capabilities.rounds == 1
+            and capabilities.elementwise)
 
 
 class PushCodec:
@@ -96,7 +104,7 @@ class PushCodec:
             variables = state.get(
                 ("unit", paths, (size,)),
                 lambda size=size: compressor.initial_state([size], tf.float32),
-                replicated=compressor.replicated_state)
+                replicated=compressor.capabilities.replicated_state)
             states.append({name: components[0] for name, components in variables.items()})
         connection = self._connection
         key = push_key(tag, connection.rank, shard, connection.num_workers)

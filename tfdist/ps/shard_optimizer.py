@@ -6,9 +6,11 @@ spec), minus what each worker applied before pushing (loss scaling, clipping); i
 Keras path, and a staleness policy's factor scales the learning rate of an update.
 """
 
+import keras
 import tensorflow as tf
 
 from tfdist import _tf_compat
+from tfdist.ps.policies import resolve_function
 
 # The parts of an optimizer's config that a worker has already applied to its gradient
 # before pushing it (Keras's `apply` unscales and clips before the all-reduce).
@@ -37,6 +39,53 @@ def ps_optimizer_config(config):
     return config
 
 
+def rebuild_optimizer(task, config):
+    """The workers' optimizer rebuilt on ps `task` from its Keras `config` (as the ps
+    applies it: `ps_optimizer_config`)."""
+    config = ps_optimizer_config(config)
+    name = config.get("class_name") if isinstance(config, dict) else config
+    return deserialize(task, keras.optimizers.deserialize, config,
+                       f"the workers' optimizer {name!r}")
+
+
+def deserialize(task, get, config, what):
+    """`get(config)` on ps `task`, or the `RunFailed` that says how to make `what` known."""
+    try:
+        return get(config)
+    except Exception as e:
+        raise RunFailed(
+            f"{task} could not rebuild {what} from its Keras config "
+            f"({type(e).__name__}: {e}). A custom class (optimizer, learning rate "
+            "schedule, constraint) must be registered with "
+            "`@keras.saving.register_keras_serializable()` in a module the ps tasks "
+            "import: name it with `tfdist-launch --job_name=ps --ps_import=MODULE` (or "
+            "`--local ... --ps_import=MODULE`, `LocalCluster(ps_imports=[...])`, "
+            "a manifest's `--ps_import`)") from None
+
+
+def import_module(task, module):
+    """Imports `module` (or the module of a `module:function`) on ps `task`."""
+    try:
+        resolve_function(module) if ":" in module else __import__(module)
+    except Exception as e:
+        raise RunFailed(
+            f"{task} could not import {module!r}, which the workers' "
+            f"optimizer or staleness function needs ({type(e).__name__}: {e}). Install "
+            f"it where the ps tasks run, or put it on their PYTHONPATH") from None
+
+
+def check_masters(task, optimizer, masters):
+    """Every variable of an optimizer rebuilt on ps `task` must be one of its `masters`
+    (its state on the ps, in the chief's checkpoints), found by the Keras path every worker
+    gave it."""
+    opened = {id(m) for m in masters.values()}
+    local = [v.path for v in optimizer.variables if id(v.value) not in opened]
+    if local:
+        raise RunFailed(f"{task} found no master variable of {local} in "
+                        f"the run's spec (the workers name the variables of "
+                        f"{optimizer.name!r} otherwise)")
+
+
 class ShardExtended(_tf_compat.OneDeviceExtended):
     """Where the ps-side optimizer's variables live, and how staleness scales its step."""
 
@@ -56,8 +105,9 @@ class ShardExtended(_tf_compat.OneDeviceExtended):
         del colocate_with_variable  # masters are made outside the scope, by shared name
 
     def _update(self, var, fn, args, kwargs, group):
-        if self.learning_rate_factor is not None and len(args) == 2:
-            gradient, learning_rate = args
+        arguments = _tf_compat.keras_update_step_arguments(args)
+        if self.learning_rate_factor is not None and arguments is not None:
+            gradient, learning_rate = arguments
             args = (gradient, tf.cast(learning_rate, tf.float32) * self.learning_rate_factor)
         return super()._update(var, fn, args, kwargs, group)
 

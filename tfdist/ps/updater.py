@@ -17,17 +17,16 @@ import tensorflow as tf
 from tfdist import _tf_compat
 from tfdist import compression as compression_lib
 from tfdist.ps import protocol
+from tfdist.ps import shard_optimizer
 from tfdist.ps import wire
 from tfdist.ps.averaged_rows import averaged_rows
 from tfdist.ps.policies import HISTOGRAM_BUCKETS
 from tfdist.ps.policies import compensated_rows
 from tfdist.ps.policies import delay_compensated
 from tfdist.ps.policies import policy_from_spec
-from tfdist.ps.policies import resolve_function
 from tfdist.ps.rowwise import RowwiseUpdate
 from tfdist.ps.shard_optimizer import RunFailed
 from tfdist.ps.shard_optimizer import ShardStrategy
-from tfdist.ps.shard_optimizer import ps_optimizer_config
 from tfdist.ps.spec import GRADIENT
 
 _NO_CLOCK = 2 ** 62  # above any SSP clock
@@ -84,8 +83,9 @@ class ShardUpdateGraph:
                         trainable=e.role == GRADIENT))
             for variable, e in zip(self.variables, entries):
                 if e.constraint is not None:
-                    variable.constraint = self._deserialize(
-                        keras.constraints.get, e.constraint, f"the constraint of {e.path}")
+                    variable.constraint = shard_optimizer.deserialize(
+                        self.task, keras.constraints.get, e.constraint,
+                        f"the constraint of {e.path}")
             self.main_variables = self.variables[:len(self.layout.main)]
             self.value_variables = self.variables[len(self.layout.main):]
             self.table_variables = []
@@ -99,10 +99,11 @@ class ShardUpdateGraph:
             entries = self.layout.main + self.layout.tables
             if (self.spec.optimizer is not None and trained) or outer:
                 for module in self.spec.imports:
-                    self._import(module)
+                    shard_optimizer.import_module(self.task, module)
             self.rowwise = None
             if self.spec.optimizer is not None and trained:
-                self.optimizer = self._rebuild_optimizer()
+                self.optimizer = shard_optimizer.rebuild_optimizer(self.task,
+                                                                   self.spec.optimizer)
                 excluded = [v for v, e in zip(trained, entries) if not e.weight_decay]
                 if excluded:
                     self.optimizer.exclude_from_weight_decay(var_list=excluded)
@@ -113,11 +114,11 @@ class ShardUpdateGraph:
                     except ValueError as e:
                         raise RunFailed(f"{self.task}: {e}") from None
             if outer:
-                self.outer_optimizer = self._deserialize(
-                    keras.optimizers.deserialize, self.spec.outer_optimizer,
+                self.outer_optimizer = shard_optimizer.deserialize(
+                    self.task, keras.optimizers.deserialize, self.spec.outer_optimizer,
                     f"the outer optimizer {self.spec.outer_optimizer.get('class_name')!r}")
                 self.outer_optimizer.build(outer)
-                self._check_masters(self.outer_optimizer)
+                shard_optimizer.check_masters(self.task, self.outer_optimizer, self.masters)
         with tf.device(self.device):
             self.clocks = tf.Variable(tf.zeros([self.num_workers], tf.int64))
             self.waiting = tf.Variable(tf.zeros([self.num_workers], tf.bool))
@@ -139,44 +140,6 @@ class ShardUpdateGraph:
         self.forget = tf.function(self._forget_fn)
         self.release_caught_up = tf.function(self._release_caught_up_fn)
         self.record_end = tf.function(self._record_end_fn)
-
-    def _check_masters(self, optimizer):
-        """Every variable of an optimizer rebuilt here must be a master (its state on the ps,
-        in the chief's checkpoints), found by the Keras path every worker gave it."""
-        masters = {id(m) for m in self.masters.values()}
-        local = [v.path for v in optimizer.variables if id(v.value) not in masters]
-        if local:
-            raise RunFailed(f"{self.task} found no master variable of {local} in "
-                            f"the run's spec (the workers name the variables of "
-                            f"{optimizer.name!r} otherwise)")
-
-    def _rebuild_optimizer(self):
-        config = ps_optimizer_config(self.spec.optimizer)
-        name = config.get("class_name") if isinstance(config, dict) else config
-        return self._deserialize(keras.optimizers.deserialize, config,
-                                 f"the workers' optimizer {name!r}")
-
-    def _deserialize(self, get, config, what):
-        try:
-            return get(config)
-        except Exception as e:
-            raise RunFailed(
-                f"{self.task} could not rebuild {what} from its Keras config "
-                f"({type(e).__name__}: {e}). A custom class (optimizer, learning rate "
-                "schedule, constraint) must be registered with "
-                "`@keras.saving.register_keras_serializable()` in a module the ps tasks "
-                "import: name it with `tfdist-launch --job_name=ps --ps_import=MODULE` (or "
-                "`--local ... --ps_import=MODULE`, `LocalCluster(ps_imports=[...])`, "
-                "a manifest's `--ps_import`)") from None
-
-    def _import(self, module):
-        try:
-            resolve_function(module) if ":" in module else __import__(module)
-        except Exception as e:
-            raise RunFailed(
-                f"{self.task} could not import {module!r}, which the workers' "
-                f"optimizer or staleness function needs ({type(e).__name__}: {e}). Install "
-                f"it where the ps tasks run, or put it on their PYTHONPATH") from None
 
     def start_from_optimizer_step(self):
         """A run resumed from a checkpoint goes on from the restored optimizer step."""

@@ -34,17 +34,19 @@ def push_units(layout, compressor):
     """How a compressed push codes a shard's main vector: `(units, raw)`.
 
     `units` are lists of main-entry indices coded together: one per variable where the
-    compressor's scale or selection must be each tensor's own (`per_tensor`: quantisers,
-    DGC), else one for all of them (a top-k over the shard); `raw` are the entries sent as
-    they are (`Compressor.takes`: under `min_size`, excluded by path). Both sides derive
-    them from the shard's spec.
+    compressor's scale or selection must be each tensor's own (`capabilities.per_tensor`:
+    quantisers, DGC), else one for all of them (a top-k over the shard); `raw` are the
+    entries sent as they are (`Compressor.takes`: under `min_size`, excluded by path). Both
+    sides derive them from the shard's spec.
     """
     taken, raw = [], []
     for i, entry in enumerate(layout.main):
         entry = entry_of(entry)
         (taken if compressor.takes(entry.path, list(entry.shape), tf.float32)
          else raw).append(i)
-    units = [[i] for i in taken] if compressor.per_tensor else ([taken] if taken else [])
+    if compressor.capabilities.per_tensor:
+        return [[i] for i in taken], raw
+    units = [taken] if taken else []
     return units, raw
 
 

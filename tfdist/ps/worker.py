@@ -161,7 +161,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             elif self._tables.names(kwargs):
                 role = protocol.ROWS
         path = self._new_path(kwargs)
-        with tf.init_scope(), tf.device(self._device):
+        with tf.init_scope(), tf.device(_tf_compat.one_device(self)):
             variable = MirrorVariable.create(path, role, **kwargs)
         # Placed when the run starts (`tfdist.ps.placement`), once the optimizer is known.
         variable._tfdist_colocate = (colocate_with._tfdist_path

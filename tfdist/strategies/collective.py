@@ -28,6 +28,11 @@ import tensorflow as tf
 
 from tfdist import _tf_compat
 from tfdist import compression as compression_lib
+from tfdist._replica_batches import components
+from tfdist._replica_batches import examples_per_replica
+from tfdist._replica_batches import rank
+from tfdist._replica_batches import replica_batch_spec
+from tfdist._replica_batches import weighted
 from tfdist.cluster import config as cluster_config
 from tfdist.compression import sparsify
 from tfdist.compression import state as compression_state
@@ -37,13 +42,6 @@ from tfdist.compression.exchange import StrategyCommunicator
 from tfdist.compression.exchange import compression_logs
 
 log = logging.getLogger("tfdist")
-
-
-def _components(value):
-    """A value's per-replica components (a plain tensor is the one of a single replica)."""
-    if isinstance(value, tf.distribute.DistributedValues):
-        return value.values
-    return (value,)
 
 
 class _CompressedExchangeMixin:
@@ -56,18 +54,14 @@ class _CompressedExchangeMixin:
     def _init_compression(self, compression):
         compressor = compression_lib.get(compression)
         self._exchange = (None if compressor is None
-                          else GradientExchange(compressor, self._container_strategy()))
+                          else GradientExchange(compressor, _tf_compat.container_strategy(self)))
         self._step_trace = None  # the outermost step being traced: its example counts, stats
         self._stats = None
         self._codec_states = (None if compressor is None else compression_state.StateRegistry(
-            self._container_strategy(), compressor, self._replica_offset))
+            _tf_compat.container_strategy(self), compressor, self._replica_offset))
         # Keras's `steps_per_execution > 1` runs its steps in a tf.while_loop.
-        seen = set()
-        for name in ("_collective_ops", "_cross_device_ops", "_host_cross_device_ops"):
-            cross_device_ops = getattr(self, name, None)
-            if cross_device_ops is not None and id(cross_device_ops) not in seen:
-                seen.add(id(cross_device_ops))
-                _tf_compat.use_trace_time_instance_keys_in_loops(cross_device_ops)
+        for cross_device_ops in _tf_compat.cross_device_ops(self):
+            _tf_compat.use_trace_time_instance_keys_in_loops(cross_device_ops)
 
     @property
     def compressor(self):
@@ -79,7 +73,7 @@ class _CompressedExchangeMixin:
 
     def _replica_offset(self):
         """The global number of this process's first replica."""
-        return getattr(self, "_id_in_cluster", 0) * len(self.worker_devices)
+        return _tf_compat.worker_index_in_cluster(self) * len(self.worker_devices)
 
     def _create_variable(self, next_creator, **kwargs):
         # An optimizer made under this strategy gets its codec state once it is put to use
@@ -97,7 +91,7 @@ class _CompressedExchangeMixin:
         step's logs are made: a LossScaleOptimizer applies in a nested replica call inside a
         branch, whose tensors the outer step cannot use."""
         if self._stats is None:
-            with tf.init_scope(), self._container_strategy().scope():
+            with tf.init_scope(), _tf_compat.container_strategy(self).scope():
                 self._stats = {
                     name: tf.Variable(0, dtype=tf.int64, trainable=False, name=f"tfdist_{name}",
                                       synchronization=tf.VariableSynchronization.ON_READ,
@@ -114,7 +108,7 @@ class _CompressedExchangeMixin:
             # the first.
             weigh = self._averages_each_replica(_tf_compat.keras_own_train_step(fn))
             self._step_trace = {"written": False,
-                                "examples": _examples_per_replica(args) if weigh else None}
+                                "examples": examples_per_replica(args) if weigh else None}
             if self._exchange is not None:
                 # A step whose exchange does not run logs 0 bytes, not the last step's: a
                 # LossScaleOptimizer skips a step with non-finite gradients before it
@@ -166,7 +160,7 @@ class _CompressedExchangeMixin:
         # TF takes this path, around `_batch_reduce_to`, when XLA compiles the step on GPUs
         # (`jit_compile=True`): the gradients would go uncompressed, without a word.
         if (self._exchange is not None and _tf_compat.keras_gradient_all_reduce(
-                self._container_strategy()) not in (None, "outside")):
+                _tf_compat.container_strategy(self)) not in (None, "outside")):
             raise ValueError(
                 f"tfdist: `compression={self._exchange.compressor.name!r}` cannot run inside "
                 "an XLA-compiled step: TensorFlow all-reduces the gradients of a "
@@ -179,7 +173,7 @@ class _CompressedExchangeMixin:
         """`(optimizer, variables)` of a Keras optimizer's gradient all-reduce of `values`,
         or None if this batch is something else (synchronized BatchNorm statistics, a
         metric, a user's own all-reduce), which is summed as it is."""
-        found = _tf_compat.keras_gradient_all_reduce(self._container_strategy())
+        found = _tf_compat.keras_gradient_all_reduce(_tf_compat.container_strategy(self))
         if found == "outside":
             if self._exchange is not None and not getattr(self, "_warned_outside", False):
                 self._warned_outside = True
@@ -194,7 +188,7 @@ class _CompressedExchangeMixin:
         if len(variables) != len(values):
             return None
         for variable, value in zip(variables, values):
-            component = _components(value)[0]
+            component = components(value)[0]
             if (not isinstance(component, tf.IndexedSlices)
                     and component.shape != variable.shape):
                 return None
@@ -241,10 +235,10 @@ class _CompressedExchangeMixin:
             total = super()._batch_reduce_to(
                 tf.distribute.ReduceOp.SUM,
                 [(_tf_compat.regroup(tuple(counts)),) * 2], options)[0]
-            total = _components(total)[0]
+            total = components(total)[0]
         else:
             total = tf.add_n(counts)
-        scale = float(self._container_strategy().num_replicas_in_sync)
+        scale = float(_tf_compat.container_strategy(self).num_replicas_in_sync)
         return [tf.math.divide_no_nan(scale * n, total) for n in counts]
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
@@ -253,20 +247,20 @@ class _CompressedExchangeMixin:
         found = None
         if (reduce_op in (tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN)
                 and all(not isinstance(v, _tf_compat.Mirrored)
-                        and len(_components(v)) == local_replicas for v in values)):
+                        and len(components(v)) == local_replicas for v in values)):
             found = self._gradient_variables(values)
         if found is None:
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
         weights = self._example_weights(options)
         if weights is not None:
-            value_destination_pairs = [(_weighted(value, weights), destination)
+            value_destination_pairs = [(weighted(value, weights), destination)
                                        for value, destination in value_destination_pairs]
         if self._exchange is None:
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
-        strategy = self._container_strategy()
+        strategy = _tf_compat.container_strategy(self)
         optimizer, variables = found
         self._check_momentum(optimizer)
-        if (self._exchange.compressor.variable_size
+        if (self._exchange.compressor.capabilities.variable_size
                 and _tf_compat.in_xla_context()):
             raise ValueError(
                 f"tfdist: `compression={self._exchange.compressor.name!r}` cannot run inside "
@@ -295,7 +289,7 @@ class _CompressedExchangeMixin:
 
     def _compressed_sum(self, reduce_op, local, options, names, state):
         """Sums (or means) `local[i][replica]` over every replica through the compressor."""
-        strategy = self._container_strategy()
+        strategy = _tf_compat.container_strategy(self)
         communicator = StrategyCommunicator(strategy, super()._batch_reduce_to, options)
         sums, stats = self._exchange.all_reduce(local, communicator, names, state)
         if reduce_op == tf.distribute.ReduceOp.MEAN:
@@ -335,7 +329,7 @@ class _CompressedStrategyMixin:
         11, 11 and 10) cannot be summed: TF fails with "Shape mismatch in the collective".
         """
         if _tf_compat.keras_builds_from_a_batch():
-            return tf.nest.map_structure(_replica_batch_spec, value)
+            return tf.nest.map_structure(replica_batch_spec, value)
         return self._reduce_value(reduce_op, value, axis)
 
     def _reduce_value(self, reduce_op, value, axis):
@@ -446,7 +440,7 @@ class MultiWorkerMirroredStrategy(_CompressedStrategyMixin,
         """
         def reduce_one(v):
             v_axis = axis
-            if v_axis is not None and _rank(v) == 0:
+            if v_axis is not None and rank(v) == 0:
                 v_axis = None
             return tf.distribute.MultiWorkerMirroredStrategy.reduce(self, reduce_op, v,
                                                                      axis=v_axis)
@@ -468,64 +462,3 @@ def _metrics_of_every_replica(fn, logs):
         return logs
     metrics = model.get_metrics_result()
     return {key: metrics.get(key, value) for key, value in logs.items()}
-
-
-def _examples_per_replica(args):
-    """The number of examples in each local replica's part of a step's data (the leading
-    dimension of its first input, as Keras counts them: an int where the shape says it, a
-    tensor otherwise; a sparse input's dense_shape[0], a ragged one's rows), or None if
-    `args` holds no per-replica data."""
-    def rows(part):
-        if isinstance(part, tf.SparseTensor):
-            return part.dense_shape[0]
-        if isinstance(part, tf.RaggedTensor):
-            return part.nrows()
-        if isinstance(part, tf.Tensor) and part.shape.rank:
-            return part.shape[0] if part.shape[0] is not None else tf.shape(part)[0]
-        return None
-
-    for leaf in tf.nest.flatten(args, expand_composites=False):
-        if leaf is None:
-            continue
-        if not isinstance(leaf, tf.distribute.DistributedValues):
-            return None
-        counts = [rows(part) for part in leaf.values]
-        return None if any(n is None for n in counts) else counts
-    return None
-
-
-def _weighted(value, weights):
-    """`value`'s per-replica components, each multiplied by its replica's weight.
-
-    A replica with no examples (weight 0) gives zeros: its gradient may be NaN (a
-    BatchNormalization's over an empty batch), and 0 * NaN would spread through the sum.
-    """
-    def scaled(tensor, weight):
-        weight = tf.cast(weight, tensor.dtype)
-        return tf.where(weight > 0, tensor * weight, tf.zeros_like(tensor))
-
-    parts = []
-    for part, weight in zip(_components(value), weights):
-        with tf.device(part.device):
-            if isinstance(part, tf.IndexedSlices):
-                part = tf.IndexedSlices(scaled(part.values, weight), part.indices,
-                                        part.dense_shape)
-            else:
-                part = scaled(part, weight)
-        parts.append(part)
-    return _tf_compat.regroup(tuple(parts))
-
-
-def _replica_batch_spec(value):
-    """The type of one replica's part of `value`, with its batch size left open."""
-    spec = tf.type_spec_from_value(_components(value)[0])
-    if isinstance(spec, tf.TensorSpec) and spec.shape.rank:
-        spec = tf.TensorSpec([None, *spec.shape[1:]], spec.dtype)
-    return spec
-
-
-def _rank(value):
-    if isinstance(value, tf.distribute.DistributedValues):
-        value = value.values[0]
-    shape = getattr(value, "shape", None)
-    return None if shape is None else shape.rank
