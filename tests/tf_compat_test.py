@@ -199,6 +199,10 @@ class AccessorsTest(tf.test.TestCase):
             "test_cross_device_ops_and_use_trace_time_instance_keys_in_loops",
         "create_remote_session": "test_create_remote_session_and_discard_remote_session",
         "discard_remote_session": "test_create_remote_session_and_discard_remote_session",
+        "keras_optimizer_makes_learning_rate":
+            "test_keras_optimizer_makes_learning_rate_and_keras_optimizer_learning_rate",
+        "keras_optimizer_learning_rate":
+            "test_keras_optimizer_makes_learning_rate_and_keras_optimizer_learning_rate",
     }
 
     def exercise(self, name, *args):
@@ -258,6 +262,31 @@ class AccessorsTest(tf.test.TestCase):
         self.optimizer_on(optimizer, [kernel, bias])
         self.assertTrue(self.exercise("keras_optimizer_decays", optimizer, kernel))
         self.assertFalse(self.exercise("keras_optimizer_decays", optimizer, bias))
+
+    def test_keras_optimizer_slot(self):
+        weight = keras.Variable(np.ones([2, 3]), name="w")
+        optimizer = self.optimizer_on(keras.optimizers.SGD(0.1, momentum=0.9), [weight])
+        slots = [v for v in optimizer.variables
+                 if tuple(v.shape) == (2, 3)]  # the momentum, made from the weight
+        self.assertLen(slots, 1)
+        self.assertTrue(self.exercise("keras_optimizer_slot", optimizer, slots[0].name,
+                                      slots[0].shape))
+        self.assertFalse(self.exercise("keras_optimizer_slot", optimizer,
+                                       optimizer.iterations.name, []))
+
+    def test_keras_optimizer_makes_learning_rate_and_keras_optimizer_learning_rate(self):
+        optimizer = keras.optimizers.SGD(0.25)
+        rate = self.exercise("keras_optimizer_learning_rate", optimizer)
+        self.assertIsInstance(rate, keras.Variable)
+        self.assertAllClose(rate, 0.25)
+        self.assertTrue(self.exercise("keras_optimizer_makes_learning_rate", rate.name))
+        self.assertFalse(self.exercise("keras_optimizer_makes_learning_rate",
+                                       optimizer.iterations.name))
+        wrapped = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.5))
+        self.assertAllClose(self.exercise("keras_optimizer_learning_rate", wrapped), 0.5)
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+        self.assertIsNone(self.exercise("keras_optimizer_learning_rate",
+                                        keras.optimizers.SGD(schedule)))
 
     def test_keras_optimizer_knows(self):
         known, other = keras.Variable(1.0), keras.Variable(2.0)
