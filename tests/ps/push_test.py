@@ -7,9 +7,9 @@ import tensorflow as tf
 from tfdist import _tf_compat
 from tfdist.ps import placement
 from tfdist.ps import protocol
+from tfdist.ps.model_push import ModelPush
 from tfdist.ps.outer_optimizer import outer_optimizer_config
 from tfdist.ps.push import GradientPush
-from tfdist.ps.push import ModelPush
 from tfdist.ps.push import check_split
 from tfdist.ps.worker import _Step
 

@@ -27,8 +27,8 @@ from tfdist._worker import compute_device
 from tfdist.cluster import ClusterConfig
 from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import pick_free_ports
+from tfdist.ps.model_push import ModelPush
 from tfdist.ps.push import GradientPush
-from tfdist.ps.push import ModelPush
 from tfdist.ps.push_codec import push_compressor
 
 

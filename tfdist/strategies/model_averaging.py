@@ -1,10 +1,10 @@
 """Periodic parameter averaging (local SGD) on the parameter-server engine (its push is
-`tfdist.ps.push.ModelPush`)."""
+`tfdist.ps.model_push.ModelPush`)."""
 
 from tfdist._args import check_int
+from tfdist.ps.model_push import ModelPush
 from tfdist.ps.outer_optimizer import outer_optimizer_config
 from tfdist.ps.policies import AveragingPolicy
-from tfdist.ps.push import ModelPush
 from tfdist.ps.table_set import TableRule
 from tfdist.ps.worker import ParameterServerExtended
 from tfdist.strategies.parameter_server import ParameterServerStrategyBase
