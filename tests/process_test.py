@@ -1,12 +1,14 @@
 """The last-word fuse: a child process that ends a process whose Python threads cannot run.
 
 Each test starts a `sleep` as the fused process and the fuse's own small child (no
-TensorFlow): 0.5 to 3 s each.
+TensorFlow), and local ports standing for ps tasks that answer or do not: 0.5 to 3 s each.
 """
 
 import os
 import signal
+import socket
 import subprocess
+import threading
 import time
 
 import tensorflow as tf
@@ -15,6 +17,29 @@ from tfdist._process import LastWordFuse
 
 # A bound against a hang, far above the fuse's deadlines here.
 HANG_BOUND = 30
+
+
+def _listener(test, answer):
+    """A local port that answers each connection with an HTTP/2 SETTINGS frame, as a gRPC
+    server does (`answer`), or accepts it in the kernel and says nothing, as a stopped one
+    does; returns its "host:port"."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    test.addCleanup(server.close)
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.sendall(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+            test.addCleanup(conn.close)
+
+    if answer:
+        threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{server.getsockname()[1]}"
 
 
 class LastWordFuseTest(tf.test.TestCase):
@@ -54,6 +79,26 @@ class LastWordFuseTest(tf.test.TestCase):
         self.assertEqual(fuse._child.returncode, 0)
         self.assertEqual(fuse._child.stderr.read(), b"")
         self.assertIsNone(target.poll())
+
+    def test_a_busy_process_whose_ps_tasks_answer_is_left_alone(self):
+        # A long call holding Python's lock (a save) while the ps tasks are fine: when the
+        # fuse's time is up it finds every target answering, and waits on.
+        target, fuse = self.start()
+        fuse.arm(0.3, "never {silent}", [("/job:ps/task:0", _listener(self, answer=True))])
+        time.sleep(1.5)  # five times the fuse's time
+        self.assertIsNone(target.poll())
+        fuse.close()
+        self.assertEqual(fuse._child.stderr.read(), b"")
+
+    def test_it_names_only_the_ps_task_that_does_not_answer(self):
+        target, fuse = self.start()
+        alive, stopped = _listener(self, answer=True), _listener(self, answer=False)
+        fuse.arm(0.3, "tfdist: {silent} stopped answering",
+                 [("/job:ps/task:0", alive), ("/job:ps/task:1", stopped)])
+        self.assertEqual(target.wait(HANG_BOUND), -9)  # after the check's 2 s deadline
+        fuse._child.wait(HANG_BOUND)
+        self.assertEqual(fuse._child.stderr.read().decode(),
+                         f"tfdist: /job:ps/task:1 at {stopped} stopped answering\n")
 
     def test_a_stopped_process_is_left_alone(self):
         # SIGSTOP (^Z, a debugger) stops every thread, the watcher's with them, but nothing

@@ -45,15 +45,53 @@ def end_with_last_word(code=1):
 
 
 # The fuse's process: stdlib only (it starts in milliseconds, without TensorFlow). Each line
-# on its stdin re-arms it: "<seconds>\t<last word>". With no line for that long, it writes the
-# last word to its stderr (the worker's) and SIGKILLs the worker, unless the worker is
-# stopped (SIGSTOP, ^Z, a debugger: its threads do not run, but nothing waits in vain; the
-# count starts again); it ends when stdin closes
-# (the worker ended, however it ended: only the worker holds the pipe's other end).
+# on its stdin re-arms it: "<seconds>\t<targets>\t<last word>", targets "name=host:port|...".
+# With no line for that long, it checks the targets: each is a gRPC server (a ps task), alive
+# when it sends its HTTP/2 SETTINGS within a deadline in answer to a client's preface (a
+# stopped server's kernel still accepts the connection, but nothing answers). If every target
+# answers, the process is only busy (a long call holding Python's lock while the ps tasks are
+# fine): the count starts again. Otherwise it writes the last word to its stderr (the
+# worker's), "{silent}" replaced by the targets that did not answer, and SIGKILLs the worker.
+# With no targets it goes off unchecked. A worker that is itself stopped (SIGSTOP, ^Z, a
+# debugger: its threads do not run, but nothing waits in vain) is left alone, the count
+# starting again. It ends when stdin closes (the worker ended, however it ended: only the
+# worker holds the pipe's other end).
 _FUSE_PROGRAM = r"""
-import os, select, signal, sys, time
+import os, select, signal, socket, sys, threading, time
 target = int(sys.argv[1])
-seconds, word, buffered = None, "", b""
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+def answers(address, timeout=2.0):
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout) as conn:
+            conn.sendall(PREFACE)
+            got = b""
+            while len(got) < 9:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                conn.settimeout(left)
+                chunk = conn.recv(9 - len(got))
+                if not chunk:
+                    return False
+                got += chunk
+            return got[3] == 4  # the server's SETTINGS frame
+    except (OSError, ValueError):
+        return False
+
+def silent(targets):
+    found = {}
+    threads = [threading.Thread(target=lambda t=t: found.__setitem__(t, answers(t[1])))
+               for t in targets]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return [t for t in targets if not found.get(t)]
+
+seconds, targets, word, buffered = None, [], "", b""
 deadline = None
 while True:
     wait = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -67,7 +105,12 @@ while True:
         if state in ("T", "t"):  # stopped (SIGSTOP, ^Z, a debugger): not frozen; wait on
             deadline = time.monotonic() + float(seconds)
             continue
-        sys.stderr.write(word + "\n")
+        quiet = silent(targets) if targets else []
+        if targets and not quiet:  # busy, not waiting on a stopped ps: wait on
+            deadline = time.monotonic() + float(seconds)
+            continue
+        named = " or ".join(f"{name} at {address}" for name, address in quiet)
+        sys.stderr.write(word.replace("{silent}", named) + "\n")
         sys.stderr.flush()
         try:
             os.kill(target, signal.SIGKILL)
@@ -84,7 +127,9 @@ while True:
         if text == "disarm":
             deadline = None
         else:
-            seconds, _, word = text.partition("\t")
+            seconds, _, rest = text.partition("\t")
+            listed, _, word = rest.partition("\t")
+            targets = [tuple(item.rsplit("=", 1)) for item in listed.split("|") if item]
             deadline = time.monotonic() + float(seconds)
 """
 
@@ -97,10 +142,12 @@ class LastWordFuse:
     each newly traced function on the remote tasks and waits for them while holding it, so
     a stopped ps freezes every Python thread of its workers. The fuse is a small child
     process (no TensorFlow) that the watcher re-arms at every round with `arm(seconds,
-    word)`: if no round re-arms it within `seconds`, it writes `word` on the process's
-    stderr and SIGKILLs it. A process that is itself stopped (SIGSTOP, ^Z, a debugger) is
-    left alone, its count starting again (Linux: its state in /proc). It ends with the
-    process (its stdin closes), or with `close()`.
+    word, targets)`: if no round re-arms it within `seconds` and a target (a ps task's gRPC
+    server) does not answer then, it writes `word` on the process's stderr and SIGKILLs it;
+    while every target answers, a long call is only a busy process, and it waits on. A
+    process that is itself stopped (SIGSTOP, ^Z, a debugger) is left alone, its count
+    starting again (Linux: its state in /proc). It ends with the process (its stdin
+    closes), or with `close()`.
 
     Args:
       target: the process id to end (None: this process).
@@ -122,10 +169,14 @@ class LastWordFuse:
         except (BrokenPipeError, ValueError):
             pass  # the fuse has gone off, or was closed
 
-    def arm(self, seconds, word):
+    def arm(self, seconds, word, targets=()):
         """Ends the process with `word` unless `arm` or `disarm` is called within
-        `seconds`."""
-        self._send(f"{seconds!r}\t{' '.join(word.splitlines())}")
+        `seconds`, and some of `targets` (`[(name, "host:port")]` of gRPC servers) does not
+        answer then: `{silent}` in `word` names those. With every target answering the
+        process is only busy, and the count starts again; with no targets the fuse goes off
+        unchecked."""
+        listed = "|".join(f"{name}={address}" for name, address in targets)
+        self._send(f"{seconds!r}\t{listed}\t{' '.join(word.splitlines())}")
 
     def disarm(self):
         self._send("disarm")

@@ -144,8 +144,10 @@ class PSWatchdog:
     Its thread cannot run while another holds Python's lock in a call that waits on the
     stopped ps (TensorFlow registers each newly traced function on the ps tasks, and waits
     for them, holding it). So each round also re-arms a `LastWordFuse`: if no round comes
-    for `stall_timeout` plus two rounds' worth of probing, the fuse ends the process with
-    the same error, naming the ps tasks that had not answered (or all of them).
+    for `stall_timeout` plus two rounds' worth of probing, the fuse checks the ps tasks
+    itself (their gRPC servers' HTTP/2 answer, with a deadline) and ends the process with
+    the same error naming those that do not answer; while all answer, the worker is only
+    busy (a long save holding Python's lock), and it waits on.
 
     Args:
       connection: the worker's `PSConnection`.
@@ -206,12 +208,16 @@ class PSWatchdog:
         self._last_round = now
         return stalled
 
-    def last_word(self):
-        """The error the fuse writes if no round comes any more: the ps tasks that did not
-        answer the last round (all of them if every one did)."""
-        silent = [(address, name) for address, name in self.targets
-                  if self._heard.get(address) != self._last_round]
-        named = " or ".join(f"{name} at {address}" for address, name in silent or self.targets)
+    def last_word(self, named=None):
+        """The error the fuse writes if no round comes any more and a ps task does not answer
+        its own check then (`named`: the fuse's "{silent}", which it replaces with those
+        tasks; None: the tasks that did not answer the last round, all of them if every one
+        did)."""
+        if named is None:
+            silent = [(address, name) for address, name in self.targets
+                      if self._heard.get(address) != self._last_round]
+            named = " or ".join(f"{name} at {address}"
+                                for address, name in silent or self.targets)
         return (f"tfdist: {named} stopped answering ({self.task}'s Python threads have not run "
                 f"for {self.fuse_seconds:g} s: a TensorFlow call waiting on the ps holds "
                 f"Python's lock; stall_timeout={self.stall_timeout:g} s): its shard of the "
@@ -228,7 +234,10 @@ class PSWatchdog:
                     self.on_stall(stalled)
                     return
                 if self._fuse is not None:
-                    self._fuse.arm(self.fuse_seconds, self.last_word())
+                    # It checks the ps tasks itself before it goes off: a long call
+                    # holding Python's lock while every ps answers is a busy worker.
+                    self._fuse.arm(self.fuse_seconds, self.last_word("{silent}"),
+                                   [(name, address) for address, name in self.targets])
         finally:
             if self._fuse is not None:
                 self._fuse.close()
