@@ -110,6 +110,13 @@ class RowsExactTest(tf.test.TestCase, parameterized.TestCase):
         moved = any(np.any(a[untouched] != b[untouched]) for a, b in zip(before, after))
         self.assertEqual(moved, why is not None)
 
+    def test_a_moving_average_of_the_weights_is_not_averaged_by_rows(self):
+        # Keras writes the average into every row (`finalize_variable_values` at the end of
+        # `fit`, and every `ema_overwrite_frequency` steps).
+        table = keras.Variable(np.zeros([6, 2], np.float32))
+        self.assertRegex(rows_exact(keras.optimizers.SGD(0.1, use_ema=True), table, False),
+                         "use_ema=True keeps a moving average")
+
     def test_a_constraint_on_the_table_moves_every_row(self):
         table = keras.layers.Embedding(6, 2, embeddings_constraint="max_norm")
         table.build()

@@ -87,6 +87,10 @@ def rows_exact(optimizer, table, averaged_state):
         return f"{name} with {momentum}={getattr(inner, momentum)} moves every row it ever touched"
     if getattr(table, "constraint", None) is not None:
         return "its constraint is applied to every row at every step"
+    if getattr(inner, "use_ema", False):
+        return (f"{name} with use_ema=True keeps a moving average of every row and writes it "
+                "into the table (at the end of `fit`, and every ema_overwrite_frequency "
+                "steps)")
     if getattr(inner, "weight_decay", None) and _tf_compat.keras_optimizer_decays(inner, table):
         return f"{name}'s weight decay moves every row at every step"
     if averaged_state and not _ROW_LOCAL[name]:

@@ -156,6 +156,10 @@ class ModelPush(Push):
                 for piece in self.rows.pushed(part)]
 
     def joined(self, copy_tables):
+        # A worker that joins (or rejoins) a run takes the learning rate the chief set so
+        # far at once, not only after its first round (hundreds of steps with DiLoCo).
+        for rate in self._rates:
+            rate.assign(rate.master_value(), read_value=False)
         if copy_tables:
             self.rows.copy_masters()
 
