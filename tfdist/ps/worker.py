@@ -510,10 +510,12 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
 
     def _take_masters(self):
         with tf.init_scope(), replica_step():
-            variables = {id(p.variable): p.variable
-                         for parts in self._shards + self._row_parts for p in parts}
+            # Tables averaged by rows are read in bounded chunks (`ChangedRows`), the rest
+            # whole.
+            variables = {id(p.variable): p.variable for parts in self._shards for p in parts}
             for variable in variables.values():
                 variable.assign(variable.master_value(), read_value=False)
+            self._push.joined(copy_tables=True)
             self._stats.assign(self._clients[0].progress.read_value(), read_value=False)
 
     def _wait_for_others(self, timeout):
