@@ -167,6 +167,22 @@ class SplitMirrorTest(tf.test.TestCase):
         mirror.assign(tf.ones([4, 3]))
         self.assertAllEqual(parts[0], tf.zeros([2, 3]))
 
+    def test_a_write_to_a_table_averaged_by_rows_is_said_once(self):
+        # The chief's write mid-run reaches the master, not the other workers' untouched
+        # rows: a warning naming the table, once.
+        mirror = MirrorVariable.create("embedding/embeddings", "rows",
+                                       initial_value=tf.zeros([4, 3]))
+        mirror.bind(tf.Variable(tf.zeros([4, 3])))
+        with self.assertLogs("tfdist", "WARNING") as logs:
+            mirror.assign(tf.ones([4, 3]))
+            mirror.scatter_update(tf.IndexedSlices(tf.fill([1, 3], 2.0), tf.constant([1])))
+        self.assertLen(logs.records, 1)
+        self.assertRegex(logs.output[0], r"embedding/embeddings is averaged by the rows a "
+                                         r"round changed.*embedding_tables=None")
+        plain, _ = self._mirror()
+        with self.assertNoLogs("tfdist", "WARNING"):
+            plain.assign(tf.ones([4, 3]))
+
     def test_whole_masters_after_the_first_are_copies(self):
         mirror = MirrorVariable.create("adam/learning_rate", "optimizer", initial_value=0.1)
         first, copy = tf.Variable(0.5), tf.Variable(0.25)

@@ -14,6 +14,7 @@ master's values.
 """
 
 import contextlib
+import logging
 import threading
 import typing
 
@@ -37,6 +38,27 @@ def replica_step():
 def in_replica_step():
     """Whether this thread is running (or tracing) a replica's step."""
     return bool(getattr(_state, "depth", 0))
+
+
+log = logging.getLogger("tfdist")
+_warned_rows = set()
+
+
+def _warn_rows_write(variable):
+    """A write of the chief to a table averaged by the rows a round changed (model
+    averaging) reaches the master and the chief's copy, not the other workers' copies, whose
+    untouched rows keep their value until they take the masters (`join()`): said once per
+    table, at the write."""
+    if getattr(variable, "_tfdist_role", None) != "rows" or variable._tfdist_path in _warned_rows:
+        return
+    _warned_rows.add(variable._tfdist_path)
+    log.warning(
+        "tfdist: %s is averaged by the rows a round changed: a write to it during the run "
+        "(load_weights, set_weights, a callback's assign) reaches the master and this worker's "
+        "copy, but the other workers keep the rows they do not touch until they join; "
+        "written at the end of fit (EarlyStopping's restore_best_weights) it reaches every "
+        "worker at join(). To write it whole mid-run, average it whole: "
+        "`embedding_tables=None` on the strategy", variable._tfdist_path)
 
 
 def _stands_for_master(variable):
@@ -165,6 +187,7 @@ class MirrorVariable(_tf_compat.ResourceVariable):
             # Each part's own op on its ps task: an add there is atomic against the updater.
             getattr(master, method)(value if rows is None else value[rows[0]:rows[1]],
                                     read_value=False)
+        _warn_rows_write(self)
         return self._refresh()
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
@@ -187,6 +210,7 @@ class MirrorVariable(_tf_compat.ResourceVariable):
         for master, rows in self._tfdist_masters:
             delta = sparse_delta if rows is None else _rows_of(sparse_delta, rows)
             getattr(master, method)(delta, use_locking=use_locking, name=name)
+        _warn_rows_write(self)
         return self._refresh()
 
     def scatter_update(self, sparse_delta, use_locking=False, name=None):
