@@ -316,9 +316,12 @@ class ProbePool:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
                     max_workers=_PROBE_THREADS, thread_name_prefix="tfdist-probe")
             return list(self._pool.map(lambda target: self.probe(*target), targets))
-        except RuntimeError:
+        except RuntimeError as error:
             # The interpreter is shutting down (a worker leaving at exit names a lost ps):
-            # no new pool thread may start. One after the other, then.
+            # no new pool thread may start ("cannot schedule new futures after interpreter
+            # shutdown"). One after the other, then; any other error is raised.
+            if "shutdown" not in str(error):
+                raise
             return [self.probe(*target) for target in targets]
 
     def close(self):
