@@ -78,7 +78,8 @@ class ModelPush(Push):
                 else None)
 
     def update(self, step, variable, args):
-        optimizer_step = _tf_compat.keras_update_step_arguments(args) is not None
+        arguments = _tf_compat.keras_update_step_arguments(args)
+        optimizer_step = arguments is not None
         if optimizer_step and self.optimizer is None:
             self.optimizer = _tf_compat.keras_optimizer_in_scope()
             if self.optimizer is not None:
@@ -86,7 +87,7 @@ class ModelPush(Push):
                 if self.outer is not None:
                     self.outer.attach(self.optimizer)
         if optimizer_step:
-            self.rows.track(variable, args[0])  # (a table averaged by rows: its rows)
+            self.rows.track(variable, arguments[0])  # (a table averaged by rows: its rows)
         step.trained = step.trained or optimizer_step
         return True  # the worker trains its own copy
 
