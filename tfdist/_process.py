@@ -91,6 +91,14 @@ def silent(targets):
         thread.join()
     return [t for t in targets if not found.get(t)]
 
+def started(pid):  # the process's start time (a reused pid is another process)
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+
+birth = started(target)
 seconds, targets, word, buffered = None, [], "", b""
 deadline = None
 while True:
@@ -109,6 +117,8 @@ while True:
         if targets and not quiet:  # busy, not waiting on a stopped ps: wait on
             deadline = time.monotonic() + float(seconds)
             continue
+        if started(target) != birth:  # gone (a child of it kept the pipe open)
+            break
         named = " or ".join(f"{name} at {address}" for name, address in quiet)
         sys.stderr.write(word.replace("{silent}", named) + "\n")
         sys.stderr.flush()
