@@ -3,15 +3,20 @@ last round (set from the gradient's rows), what a round pushes and takes of them
 optimizers leave a row without gradient as it is. (The ps side's per-row average is in
 tests/ps/updater_test.py; a cluster run in tests/strategies/model_averaging_test.py.)"""
 
+from unittest import mock
+
 import keras
 import numpy as np
 import tensorflow as tf
 from absl.testing import parameterized
 
+from tfdist.ps import averaged_rows as averaged_rows_lib
 from tfdist.ps.averaged_rows import ChangedRows
 from tfdist.ps.averaged_rows import averaged_rows
 from tfdist.ps.averaged_rows import rows_exact
+from tfdist.ps.variables import MirrorVariable
 from tfdist.ps.variables import Part
+from tfdist.ps.variables import replica_step
 
 DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"
 
@@ -62,6 +67,32 @@ class ChangedRowsTest(tf.test.TestCase):
         want = np.arange(12, dtype=np.float32).reshape(6, 2)
         want[[3, 5]] = [[-1.0, -2.0], [-3.0, -4.0]]
         self.assertAllEqual(self.table, want)
+
+    def test_copying_the_masters_reads_each_part_in_chunks_and_forgets_the_marks(self):
+        # A joining (or leaving) worker's copy of a split table, 2 rows a chunk here.
+        mirror = MirrorVariable.create("t/embeddings", "rows", initial_value=tf.zeros([5, 2]))
+        parts = [tf.Variable(np.arange(6, dtype=np.float32).reshape(3, 2)),
+                 tf.Variable(-np.arange(4, dtype=np.float32).reshape(2, 2))]
+        mirror.bind(parts[0], (0, 3))
+        mirror.bind(parts[1], (3, 5))
+        rows = ChangedRows(DEVICE)
+        rows.add(mirror)
+        rows.track(mirror, tf.IndexedSlices(tf.ones([1, 2]), tf.constant([4]), [5, 2]))
+        reads = []
+        gather = tf.raw_ops.ResourceGather
+
+        def counted(**kwargs):
+            reads.append(kwargs["indices"].numpy().tolist())
+            return gather(**kwargs)
+
+        with mock.patch.object(averaged_rows_lib, "CHUNK_BYTES", 2 * 2 * 4), \
+                mock.patch.object(tf.raw_ops, "ResourceGather", counted), replica_step():
+            rows.copy_masters()
+        self.assertEqual(reads, [[0, 1], [2], [0, 1]])
+        with replica_step():  # the worker's own copy (outside a step it stands for the master)
+            self.assertAllEqual(mirror.read_value(), np.concatenate([parts[0].numpy(),
+                                                                     parts[1].numpy()]))
+        self.assertEqual(int(rows.count()), 0)
 
     def test_a_variable_not_averaged_by_rows_is_not_tracked(self):
         self.assertIsNone(self.rows.track(tf.Variable([1.0]), tf.constant([1.0])))
