@@ -264,10 +264,9 @@ def derive(figures):
            "quality_examples": quality.get("examples")}
     # Where the cores' time went over the window (`machine.cpu_counters`), machine-wide.
     out["cores"] = {name: rate.get(f"{key}_per_second") for name, key in (
-        ("busy", None), ("user", "cpu_user_seconds"), ("system", "cpu_system_seconds"),
+        ("user", "cpu_user_seconds"), ("system", "cpu_system_seconds"),
         ("idle", "cpu_idle_seconds"), ("steal", "cpu_steal_seconds"),
-        ("context_switches", "context_switches"), ("tcp_delayed_acks", "tcp_delayed_acks"))
-        if key}
+        ("context_switches", "context_switches"), ("tcp_delayed_acks", "tcp_delayed_acks"))}
     if out["cores"]["user"] is not None:
         out["cores"]["busy"] = out["cores"]["user"] + out["cores"]["system"]
     pushes = rate.get("pushes_per_second")

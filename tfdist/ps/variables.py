@@ -21,6 +21,7 @@ import typing
 import tensorflow as tf
 
 from tfdist import _tf_compat
+from tfdist.ps.spec import ROWS
 
 _state = threading.local()
 
@@ -49,7 +50,7 @@ def _warn_rows_write(variable):
     averaging) reaches the master and the chief's copy, not the other workers' copies, whose
     untouched rows keep their value until they take the masters (`join()`): said once per
     table, at the write."""
-    if getattr(variable, "_tfdist_role", None) != "rows" or variable._tfdist_path in _warned_rows:
+    if getattr(variable, "_tfdist_role", None) != ROWS or variable._tfdist_path in _warned_rows:
         return
     _warned_rows.add(variable._tfdist_path)
     log.warning(
