@@ -42,6 +42,8 @@ Writes `--out`.json, stamped with the commit (and whether the tree was dirty), t
 the load and the settings; `report.py` draws its table and plot.
 """
 
+import ctypes
+import functools
 import json
 import os
 import signal
@@ -213,6 +215,14 @@ def run_tfdist(system, rows, workers, num_ps):
             "error": error if error or not rate else None}
 
 
+def _peer_start(network):
+    """For `preexec_fn`: the peer's coordinator dies with this launcher (its servers die with
+    it), in the run's private network where there is one."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if network is not None:
+        network.enter_in_child()
+
+
 def run_peer(rows, workers, num_ps):
     """One run of `embedding_peer.py` in the peer's environment, in a private network (its
     loopback counter is then the run's own traffic)."""
@@ -231,7 +241,7 @@ def run_peer(rows, workers, num_ps):
             process = subprocess.Popen(command, stdout=subprocess.DEVNULL,
                                        stderr=subprocess.PIPE, text=True, env=env,
                                        start_new_session=True,
-                                       preexec_fn=network.enter_in_child if network else None)
+                                       preexec_fn=functools.partial(_peer_start, network))
             with PeakMemory(dict, lambda: _kill_group(process.pid)) as memory:
                 try:
                     _, stderr = process.communicate(timeout=FLAGS.timeout + 30)

@@ -425,12 +425,23 @@ def _embedding_series(result):
     return {key: sorted(cells, key=lambda c: c["rows"]) for key, cells in series.items()}
 
 
-def embedding_section(result):
+def embedding_title(result):
+    """The heading of an embedding result's section: the matrix, or the one cluster shape a
+    run of repeats measured."""
+    settings = result["settings"]
+    shape = ""
+    if len(settings.get("workers", ())) == 1 and len(settings.get("ps", ())) == 1:
+        shape = (f", {settings['repeats']} repeats at {settings['workers'][0]} workers, "
+                 f"{settings['ps'][0]} ps")
+    return f"## Embedding tables: a recommendation job against V{shape}"
+
+
+def embedding_section(result, plot="embedding.png"):
     """Tables on the ps (`benchmarks/embedding.py`): rate, bytes, memory and accuracy of
     every system against V."""
     settings = result["settings"]
     mib = 1 / 2**20
-    parts = ["## Embedding tables: a recommendation job against V", "",
+    parts = [embedding_title(result), "",
              f"`benchmarks/embedding.py`: {settings['job']} Batch {settings['batch_size']} per "
              f"worker step, steps_per_execution {settings['steps_per_execution']} for every "
              f"system; tfdist `embedding_tables={settings['embedding_tables']}` where the "
@@ -494,7 +505,7 @@ def embedding_section(result):
                       "vs smallest V", "bytes / worker step", "worker peak MiB", "ps peak MiB",
                       "accuracy (points vs one process; hard sync: at its global batch)",
                       "loss", "failed runs"], rows), "",
-              "![embedding](embedding.png)", ""]
+              f"![embedding]({plot})", ""]
     return parts
 
 
@@ -789,11 +800,13 @@ def write_report(out_dir, bandwidth_gbit=10.0, latency_us=50.0):
         parts += _with_commit(sgp_network_section(sgp), {
             f"timing/{setting}": part_commit(sgp, f"timing/{setting}")
             for setting in sgp.get("timing", {})})
-    if "embedding.json" in present:
-        embedding = _load("embedding.json")
-        plot_embedding(embedding, _path("embedding.png"))
-        parts += _with_commit(embedding_section(embedding),
-                              {"embedding.json": commit_label(embedding.get("stamp"))})
+    # `embedding.py --out=results/embedding_<name>`: a run of its own (repeats of one cluster
+    # shape, say), a section and a plot of its own.
+    for name in sorted(n for n in present if n.startswith("embedding")):
+        embedding, plot = _load(name), name[:-len(".json")] + ".png"
+        plot_embedding(embedding, _path(plot))
+        parts += _with_commit(embedding_section(embedding, plot),
+                              {name: commit_label(embedding.get("stamp"))})
     with open(_path("report.md"), "w") as f:
         f.write("\n".join(parts))
 

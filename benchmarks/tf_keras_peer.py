@@ -24,8 +24,10 @@ Every server process is started with a deadline and killed at the end, however t
 """
 
 import contextlib
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -204,11 +206,18 @@ def local_cluster(num_workers, num_ps, timeout):
                 servers[f"{job}:{index}"] = subprocess.Popen(
                     [sys.executable, os.path.abspath(__file__), f"--serve={job}:{index}",
                      f"--cluster={json.dumps(cluster)}"],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                    preexec_fn=_die_with_parent)
         yield cluster, servers
     finally:
         timer.cancel()
         stop_servers()
+
+
+def _die_with_parent():
+    """For `preexec_fn`: the server is SIGKILLed when this coordinator dies, however it dies
+    (Linux's parent-death signal; this runs in the peer's environment, without tfdist)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def main(argv):

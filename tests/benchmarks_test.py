@@ -245,3 +245,15 @@ class EmbeddingReportTest(tf.test.TestCase):
         self.assertIn("## Embedding tables: a recommendation job against V\n\n"
                       "Measured at commit `0123456789ab+dirty`.", text)
         self.assertGreater(os.path.getsize(os.path.join(out, "embedding.png")), 1000)
+        # A run of repeats of one shape (`--out=.../embedding_repeats`): a section of its own.
+        repeats = _embedding_fixture()
+        repeats["settings"].update(workers=["2"], ps=["1"], repeats=3)
+        with open(os.path.join(out, "embedding_repeats.json"), "w") as f:
+            json.dump(repeats, f)
+        report.write_report(out)
+        with open(os.path.join(out, "report.md")) as f:
+            text = f.read()
+        self.assertIn("## Embedding tables: a recommendation job against V, 3 repeats at 2 "
+                      "workers, 1 ps\n\nMeasured at commit", text)
+        self.assertIn("![embedding](embedding_repeats.png)", text)
+        self.assertGreater(os.path.getsize(os.path.join(out, "embedding_repeats.png")), 1000)

@@ -27,6 +27,16 @@ def die_with(parent, sig=signal.SIGTERM):
         os._exit(1)
 
 
+def flush_standard_streams():
+    """Flushes stdout and stderr, as the interpreter does at its end (a closed or broken one is
+    passed over): before an `os._exit`."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def end_with_last_word(code=1):
     """Ends this process now, with exit code `code`, after the logged error that says why.
 
@@ -36,11 +46,7 @@ def end_with_last_word(code=1):
     (`tfdist.launch.main`), the process flushes what it has logged and printed, and exits
     without that teardown."""
     logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    flush_standard_streams()
     os._exit(code)
 
 

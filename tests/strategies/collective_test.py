@@ -14,6 +14,7 @@ from keras.src.backend.tensorflow import optimizer_distribute_test as keras_opti
 
 import tfdist
 from tests.strategies import collective_program
+from tests.strategies import ps_testing
 from tfdist import _replica_batches
 from tfdist.compression.base import num_selected
 from tfdist.launch import LocalCluster
@@ -660,7 +661,8 @@ class RegistryAndErrorsTest(tf.test.TestCase):
 def run_workers(out_dir, *flags, num_workers=2):
     env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with LocalCluster([sys.executable, PROGRAM, f"--out_dir={out_dir}", *flags], num_ps=0,
-                      num_workers=num_workers, timeout=240, output=None, env=env) as cluster:
+                      num_workers=num_workers, timeout=240, output=None, env=env,
+                      preload=ps_testing.PRELOAD) as cluster:
         result = cluster.wait()
     log = "\n".join(f"[{task}] {line}" for task, line in cluster.lines[-60:])
     return result, log

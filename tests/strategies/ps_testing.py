@@ -14,6 +14,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 # A bound against a hang, counted from the cluster's start: on loaded cores (a load of 15
 # on the 2 cores) five tasks took 130 s to start TensorFlow before a run of 40 s.
 RUN_TIMEOUT = 300
+# Test clusters fork their Python tasks from a server that imported TensorFlow once
+# (`LocalCluster(preload=True)`): TensorFlow's import, about 6 s of CPU a process, was half the
+# suite's time. TFDIST_TEST_PRELOAD=0 starts every task as a fresh interpreter instead.
+PRELOAD = os.environ.get("TFDIST_TEST_PRELOAD", "1") != "0"
 
 
 def make_cluster(out_dir, num_workers, *flags, **kwargs):
@@ -24,6 +28,7 @@ def make_cluster(out_dir, num_workers, *flags, **kwargs):
     # A ps task's start (TensorFlow's import) takes 5 s on quiet cores and far longer on
     # loaded ones: a bound against a hang, not a timing.
     kwargs.setdefault("startup_timeout", 120.0)
+    kwargs.setdefault("preload", PRELOAD)
     return LocalCluster([sys.executable, program, f"--out_dir={out_dir}", *flags],
                         num_ps=kwargs.pop("num_ps", 1), num_workers=num_workers,
                         timeout=RUN_TIMEOUT, output=None, env=env, **kwargs)

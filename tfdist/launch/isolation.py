@@ -101,6 +101,12 @@ def _setns(libc, fd):
         raise OSError(code, f"setns: {os.strerror(code)}")
 
 
+def enter_network(fd):
+    """Moves the calling thread into the network namespace that `fd` (an open namespace file,
+    a `PrivateNetwork`'s `fd`) names: for a process forked outside `subprocess`."""
+    _setns(_libc(), fd)
+
+
 def _bring_loopback_up():
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         request = struct.pack("16sH", b"lo", 0)

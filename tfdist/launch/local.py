@@ -41,6 +41,8 @@ from tfdist.launch.isolation import loopback_resolvers
 from tfdist.launch.isolation import parse_bandwidth
 from tfdist.launch.isolation import private_network
 from tfdist.launch.isolation import switched_address
+from tfdist.launch.preload import ForkedTask
+from tfdist.launch.preload import command_form
 
 # Set for every task: blocking ops across clients hang with streaming enqueue (the ps runs
 # each client's eager ops on one thread, so one blocked op freezes every client).
@@ -74,11 +76,9 @@ class LocalClusterResult:
 class _Task:
     """One child process and the thread that hands its output lines to `record`."""
 
-    def __init__(self, name, argv, env, record, cwd, preexec_fn=None):
+    def __init__(self, name, process, record):
         self.name = name
-        self.process = subprocess.Popen(
-            argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec_fn)
+        self.process = process  # a subprocess.Popen, or a preload.ForkedTask
         self._reader = threading.Thread(
             target=self._pump, args=(record,), daemon=True, name=f"pump-{name}")
         self._reader.start()
@@ -153,7 +153,7 @@ class LocalCluster:
                  env=None, output=sys.stdout, host="localhost", ps_threads=None,
                  startup_timeout=30.0, cwd=None, stop_on_failure=True,
                  isolate_network="auto", ps_imports=(), bandwidth=None, max_lines=10000,
-                 outbound_network="auto", topology=None):
+                 outbound_network="auto", topology=None, preload=False):
         if not command or isinstance(command, str):
             raise ValueError(f"`command` must be a non-empty argv list. Received: {command!r}")
         check_int("num_ps", num_ps, "an integer >= 0", low=0)
@@ -184,6 +184,9 @@ class LocalCluster:
             raise ValueError(f"`outbound_network` must be 'auto' or False. Received: "
                              f"{outbound_network!r}")
         self.outbound_network = outbound_network
+        if not isinstance(preload, bool):
+            raise ValueError(f"`preload` must be True or False. Received: {preload!r}")
+        self.preload = preload
         if bandwidth is not None:
             parse_bandwidth(bandwidth)
             if isolate_network is False:
@@ -233,14 +236,23 @@ class LocalCluster:
         # The task's place on a switched network: the ps tasks first, then the workers.
         slot = config.task_index + (config.num_ps if config.task_type == "worker" else 0)
 
-        def preexec():
-            die_with(launcher, death_signal)
-            if isinstance(network, SwitchedNetwork):
-                network.enter_in_child(slot)
-            elif network is not None:
-                network.enter_in_child()
+        if self.preload and command_form(argv) is not None:
+            process = ForkedTask(argv, env, self.cwd, death_signal, network_fd=(
+                network.tasks[slot].fd if isinstance(network, SwitchedNetwork)
+                else None if network is None else network.fd),
+                server_environment=TASK_ENVIRONMENT)
+        else:
+            def preexec():
+                die_with(launcher, death_signal)
+                if isinstance(network, SwitchedNetwork):
+                    network.enter_in_child(slot)
+                elif network is not None:
+                    network.enter_in_child()
 
-        self._tasks[name] = _Task(name, argv, env, self._record, self.cwd, preexec)
+            process = subprocess.Popen(
+                argv, env=env, cwd=self.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=preexec)
+        self._tasks[name] = _Task(name, process, self._record)
 
     def start(self):
         """Starts the ps tasks, waits until they listen, then starts the workers."""

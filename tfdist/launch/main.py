@@ -86,6 +86,10 @@ flags.DEFINE_enum("topology", None, ["switched", "hub"],
                   "--bandwidth, else hub.")
 flags.DEFINE_float("grace_period", 3.0,
                    "With --local: seconds the other tasks get after one fails.", lower_bound=0)
+flags.DEFINE_bool("preload", False,
+                  "With --local: fork every Python task (`python script.py`, `python -m "
+                  "module`) from a server that imported TensorFlow, Keras and tfdist once, "
+                  "about 6 s of CPU less per task (tfdist.launch.preload).")
 
 
 flags.DEFINE_bool("from_tf_config", False,
@@ -261,6 +265,7 @@ def _run_local(command):
                                ps_imports=FLAGS.ps_import, bandwidth=FLAGS.bandwidth,
                                outbound_network="auto" if FLAGS.outbound_network else False,
                                topology=FLAGS.topology, env=_stall_timeout_env(),
+                               preload=FLAGS.preload,
                                **({} if FLAGS.connect_timeout is None
                                   else {"startup_timeout": FLAGS.connect_timeout}))
     except ValueError as e:
