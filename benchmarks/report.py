@@ -431,9 +431,15 @@ def embedding_title(result):
     settings = result["settings"]
     shape = ""
     if len(settings.get("workers", ())) == 1 and len(settings.get("ps", ())) == 1:
-        shape = (f", {settings['repeats']} repeats at {settings['workers'][0]} workers, "
+        shape = (f", {_repeats_made(result)} repeats at {settings['workers'][0]} workers, "
                  f"{settings['ps'][0]} ps")
     return f"## Embedding tables: a recommendation job against V{shape}"
+
+
+def _repeats_made(result):
+    """How many interleaved runs the cells have (a run stopped early made fewer than its
+    `repeats`)."""
+    return max((len(cell["runs"]) for cell in result["cells"]), default=0)
 
 
 def embedding_section(result, plot="embedding.png"):
@@ -446,7 +452,10 @@ def embedding_section(result, plot="embedding.png"):
              f"worker step, steps_per_execution {settings['steps_per_execution']} for every "
              f"system; tfdist `embedding_tables={settings['embedding_tables']}` where the "
              "strategy takes it (else every worker mirrors every table). Median (min-max) of "
-             f"{settings['repeats']} interleaved runs, {settings['window']:g} s windows after "
+             f"{_repeats_made(result)} interleaved runs"
+             + (f" ({settings['repeats']} planned)" if _repeats_made(result)
+                != settings["repeats"] else "")
+             + f", {settings['window']:g} s windows after "
              f"{settings['warmup']:g} s; an update is one change of the ps variables (hard sync:"
              " one per `workers` pushes); examples/s = pushes x batch. Bytes: the cluster's "
              "private loopback over the window per worker step, both ways, headers included. "
