@@ -5,6 +5,7 @@ deadline, no task outliving its launcher)."""
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import textwrap
@@ -102,8 +103,8 @@ class PreloadTest(tf.test.TestCase):
     def test_a_killed_task_is_named_and_no_task_outlives_a_killed_launcher(self):
         # The launcher (its own process, import-safe as `multiprocessing` asks) starts a 1-ps,
         # 2-worker cluster whose workers sleep, SIGKILLs worker 1 and supervises; once it has
-        # named worker 1, the launcher is SIGKILLed: every task must go, by the death signals
-        # (a task's parent is the fork server, which ends with the launcher).
+        # named worker 1, the ps is stopped and the launcher SIGKILLed: every task must go,
+        # by the death signals (the fork server's on the launcher, each task's on the server).
         launcher = textwrap.dedent(f"""
             import os, signal, sys
             from tfdist.launch import LocalCluster
@@ -140,6 +141,10 @@ class PreloadTest(tf.test.TestCase):
                     break
             self.assertIsNotNone(pids, "".join(seen))
             self.assertIn("worker:1 exited with signal SIGKILL", "".join(seen))
+            # The fork server (every task's parent) must go too, and the ps, stopped, by the
+            # kernel's death signal (no code of its own runs while it is stopped).
+            pids.append(_parent(pids[0]))
+            os.kill(pids[0], signal.SIGSTOP)
             process.kill()
             process.wait(10)
             deadline = time.monotonic() + 20

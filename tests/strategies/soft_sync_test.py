@@ -236,6 +236,22 @@ class DroppedGradientTest(tf.test.TestCase):
         self.assertEqual((dc["dropped"], dc["updates"]), (2, chief["updates"]))
         for got, want in zip(dc["weights"], chief["weights"]):
             self.assertAllEqual(got, want)
+        # The embedding model, its table on the ps: a dropped push takes its table rows with
+        # it. The same drops, and the weights of the same run with the table mirrored on the
+        # workers (`embedding_tables=None`, its gradient pushed with the dense part).
+        runs = {}
+        for name, extra in (("rows", []), ("mirrored", ["--strategy_arg=embedding_tables=None"])):
+            table_out = os.path.join(out, name)
+            cluster, result = run_cluster(table_out, 2, "--scenario=late", "--model=embedding",
+                                          "--strategy_arg=replicas_to_aggregate=1", *extra)
+            self.assertEqual(result.returncode, 0, cluster_log(cluster))
+            runs[name] = load_result(table_out, "worker0.json")
+            self.assertEqual((runs[name]["dropped"], runs[name]["updates"]),
+                             (2, chief["updates"]), name)
+        self.assertEqual((runs["rows"]["tables_pushed"], runs["mirrored"]["tables_pushed"]),
+                         ([1], [0]))
+        for got, want in zip(runs["rows"]["weights"], runs["mirrored"]["weights"]):
+            self.assertAllClose(np.array(got), want, rtol=1e-6, atol=1e-7)
 
 
 class FaultTest(tf.test.TestCase, parameterized.TestCase):

@@ -147,6 +147,12 @@ class LocalCluster:
       outbound_network: "auto" (default) gives the private network outbound connections
         through slirp4netns where it is installed (nothing can connect in); False keeps it
         sealed: the tasks reach each other and nothing else.
+      preload: False (default) starts every task as a fresh interpreter. True forks each
+        Python task (`python script.py ...`, `python -m module ...`) from a server that has
+        imported TensorFlow, Keras and tfdist once (`tfdist.launch.preload`, one server per
+        launcher process): about 6 s of CPU less per task. The interpreter's start-up
+        settings (hash seed, `PYTHON*` variables) and the variables a preloaded module reads
+        at import come from the first cluster started with `preload`.
     """
 
     def __init__(self, command, num_ps=1, num_workers=1, timeout=None, grace_period=3.0,

@@ -3,44 +3,60 @@
 `import tensorflow, keras` costs a Python process about 6 s of CPU before it runs a line of its
 own, and a local cluster of one ps and three workers starts four of them: on two cores most of a
 short run is TensorFlow starting. With `LocalCluster(..., preload=True)` each Python task is
-forked from a server process (the standard library's `multiprocessing` fork server) that has
-imported `PRELOAD` once, and then runs its program as `python` would (`runpy`, its own argv,
-environment, working directory, `__main__`): the import is paid once per launcher, not per
-task.
+forked from a server process that has imported `PRELOAD` once (one server per launcher
+process, started with the first preloaded cluster), and then runs its program as `python`
+would (`runpy`: its own `__main__`, argv, environment, working directory, exit functions and
+exit code): the import is paid once per launcher, not per task.
 
-What stays as with a fresh interpreter: every task is its own process group, gets its death
-signal when the launcher dies (its parent is the fork server: it watches the launcher's pidfd),
-starts in the cluster's private network, reads its own TF_CONFIG and environment (TensorFlow's
-runtime reads its settings when a program first uses it, after the fork), and exits with its
-program's code or signal. What differs: an environment variable that a preloaded module reads
-at import comes from the server (`TF_CPP_MIN_LOG_LEVEL` is set there as for every task), and a
-command with Python options (`python -u ...`) or that is not `python script.py` / `python -m
-module` starts a fresh interpreter, as without `preload`. The server only imports: it never
-starts TensorFlow's runtime (its threads, its gRPC servers), which a fork would not carry over.
+What stays as with a fresh interpreter: every task is its own process group (made before the
+launcher learns its pid), starts in the cluster's private network, reads its own TF_CONFIG and
+environment (TensorFlow's runtime reads its settings when a program first uses it, after the
+fork), and dies with the launcher: the server gets SIGKILL when the launcher dies (Linux's
+parent-death signal) and each task its own death signal when the server dies, from the kernel
+(a stopped task or one inside TensorFlow's C++ included), and the server ends when the launcher
+closes its socket. What differs: the interpreter's start-up settings come from the server (its
+hash seed, shared by every task of a launcher; `PYTHONHASHSEED`, `PYTHONWARNINGS` and other
+`PYTHON*` variables given to a task are not read again), an environment variable that a
+preloaded module reads at import comes from the server (`TF_CPP_MIN_LOG_LEVEL` is set there as
+for every task), numpy's global random state is reseeded in each task, and a command with
+Python options (`python -u ...`) or that is not `python script.py` / `python -m module` starts
+a fresh interpreter, as without `preload`. The server only imports: it never starts
+TensorFlow's runtime (its threads, its gRPC servers), which a fork would not carry over.
 """
 
 import atexit
 import ctypes
-import multiprocessing
-import multiprocessing.forkserver
+import importlib
 import os
+import pickle
 import runpy
 import select
+import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
-from multiprocessing import reduction
+import time
+import traceback
 
+from tfdist._process import die_with
 from tfdist._process import flush_standard_streams
 from tfdist.launch.isolation import enter_network
 
-# The modules the fork server imports: everything a tfdist task (a ps task, a Keras program
-# under a tfdist strategy) imports before it does anything of its own.
-PRELOAD = ("numpy", "tensorflow", "keras", "absl.app", "absl.flags", "tfdist",
-           "tfdist.launch.main")
+# The modules the server imports: what a tfdist task (a ps task, a Keras program under a tfdist
+# strategy) imports before it does anything of its own. None defines absl flags: a task's
+# program defines its own, as in a fresh interpreter.
+PRELOAD = ("numpy", "tensorflow", "keras", "tfdist")
 _PR_SET_PDEATHSIG = 1
+# Messages on a task's report socket: a tag and a signed 32-bit value.
+_MESSAGE = struct.Struct("!ci")
+_FORKED, _GROUPED, _EXITED = b"F", b"G", b"X"
+# Seconds a task gets to become its own process group once forked (a bound against a hang).
+START_TIMEOUT = 120.0
+
 _server_lock = threading.Lock()
-_server_started = False
+_server = None
 
 
 def command_form(argv):
@@ -55,117 +71,239 @@ def command_form(argv):
     return ("path", argv[1])
 
 
-def _context(environment):
-    """The fork server's context, the server started (once, by the first preloaded cluster)
-    with `environment`'s variables set over this process's: what a preloaded module reads at
-    import comes from there. (Were this process's fork server started before, by code of its
-    own, its tasks still run, importing TensorFlow themselves.)"""
-    global _server_started
-    context = multiprocessing.get_context("forkserver")
-    with _server_lock:
-        if not _server_started:
-            saved = {name: os.environ.get(name) for name in environment}
-            os.environ.update(environment)
+class _Server:
+    """This launcher's fork server: a child process that imported `PRELOAD`, reading fork
+    requests from `socket`."""
+
+    def __init__(self, environment):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        launcher = os.getpid()
+        command = [sys.executable, "-c", "import sys; from tfdist.launch.preload import serve; "
+                   "serve(int(sys.argv[1]))", str(theirs.fileno())]
+        started = []
+        done = threading.Event()
+
+        def start():
+            # The parent-death signal follows the thread that started the server: a thread
+            # that lives as long as this process.
             try:
-                context.set_forkserver_preload(list(PRELOAD))
-                multiprocessing.forkserver.ensure_running()
-            finally:
-                for name, value in saved.items():
-                    if value is None:
-                        os.environ.pop(name, None)
-                    else:
-                        os.environ[name] = value
-            _server_started = True
-    return context
+                started.append(subprocess.Popen(
+                    command, env={**os.environ, **environment}, stdin=subprocess.DEVNULL,
+                    pass_fds=[theirs.fileno()], start_new_session=True,
+                    preexec_fn=lambda: die_with(launcher, signal.SIGKILL)))
+            except BaseException as e:  # handed to the caller
+                started.append(e)
+            done.set()
+            if isinstance(started[0], subprocess.Popen):
+                threading.Event().wait()
+
+        threading.Thread(target=start, daemon=True, name="tfdist-preload-server").start()
+        done.wait()
+        theirs.close()
+        if not isinstance(started[0], subprocess.Popen):
+            ours.close()
+            raise started[0]
+        self.process, self.socket = started[0], ours
+        self.lock = threading.Lock()
+
+    def request(self, message, fds):
+        with self.lock:
+            socket.send_fds(self.socket, [message], fds)
 
 
-class _Descriptor:
-    """A file descriptor of this process, sent to the forked task (the fork server passes it
-    over its socket, as `multiprocessing` passes sockets); the task receives the number of its
-    own copy."""
-
-    def __init__(self, fd):
-        self.fd = fd
-
-    def __reduce__(self):
-        return _received, (reduction.DupFd(self.fd),)
-
-
-def _received(duplicate):
-    return duplicate.detach()
+def _server_for(environment):
+    """The fork server, started (again, should it have ended) with `environment`'s variables
+    set over this process's, without changing this process's environment."""
+    global _server
+    with _server_lock:
+        if _server is None or _server.process.poll() is not None:
+            _server = _Server(environment)
+        return _server
 
 
 class ForkedTask:
     """A task forked from the fork server, with the part of `subprocess.Popen`'s interface
-    that `LocalCluster` uses: `pid`, `returncode`, `poll()`, `wait(timeout)`, `stdout`."""
+    that `LocalCluster` uses: `pid`, `returncode`, `poll()`, `wait(timeout)`, `stdout`.
+
+    Returns once the task is its own process group (or has ended)."""
 
     def __init__(self, argv, env, cwd, death_signal, network_fd, server_environment):
         form = command_form(argv)
         if form is None:
             raise ValueError(f"`argv` must be `python script.py ...` or `python -m module ...` "
                              f"with this interpreter to be forked. Received: {argv!r}")
+        args = list(argv[3:] if form[0] == "module" else argv[2:])
+        request = pickle.dumps((form, args, dict(env), cwd, int(death_signal),
+                                network_fd is not None))
+        server = _server_for(server_environment)
+        self._report, theirs = socket.socketpair()
         read, write = os.pipe()
         try:
-            self._process = _context(server_environment).Process(
-                target=_run_task,
-                args=(form, list(argv[3:] if form[0] == "module" else argv[2:]), dict(env),
-                      cwd, int(death_signal), os.getpid(), _Descriptor(write),
-                      None if network_fd is None else _Descriptor(network_fd)),
-                name=f"tfdist-task-{argv[1]}")
-            self._process.start()
+            server.request(request, [theirs.fileno(), write]
+                           + ([network_fd] if network_fd is not None else []))
         except BaseException:
             os.close(read)
+            self._report.close()
             raise
         finally:
+            theirs.close()
             os.close(write)
-        self.pid = self._process.pid
         self.stdout = os.fdopen(read, "rb")
-        self.returncode = None
+        self.pid = self.returncode = None
+        self._grouped = False
+        self._lock = threading.Lock()
+        deadline = time.monotonic() + START_TIMEOUT
+        while not (self.pid is not None and (self._grouped or self.returncode is not None)):
+            if self.pid is None and self.returncode is not None:
+                self.stdout.close()
+                raise OSError("the preload server ended before it forked the task (its "
+                              f"errors are on the launcher's stderr): {argv!r}")
+            if not self._read(max(0.0, deadline - time.monotonic())):
+                if self.pid is not None:
+                    os.kill(self.pid, signal.SIGKILL)
+                raise TimeoutError(f"a task forked from the preload server did not start "
+                                   f"within {START_TIMEOUT:g} s: {argv!r}")
+
+    def _read(self, timeout):
+        """Reads one message within `timeout` s (None: without bound); False if none came.
+        (`poll` and `wait` may be called from several threads: one reads at a time.)"""
+        try:
+            if not select.select([self._report], [], [], timeout)[0]:
+                return False
+        except (ValueError, OSError):  # closed by another thread: the exit was read
+            return True
+        with self._lock:
+            if self.returncode is not None or not select.select([self._report], [], [], 0)[0]:
+                return True  # another thread read it
+            data = b""
+            while len(data) < _MESSAGE.size:
+                chunk = self._report.recv(_MESSAGE.size - len(data))
+                if not chunk:  # the server ended: the task is gone with it (its death signal)
+                    self.returncode = 255
+                    self._report.close()
+                    return True
+                data += chunk
+            tag, value = _MESSAGE.unpack(data)
+            if tag == _FORKED:
+                self.pid = value
+            elif tag == _GROUPED:
+                self._grouped = True
+            else:
+                self.returncode = value
+                self._report.close()
+            return True
 
     def poll(self):
-        if self.returncode is None:
-            self.returncode = self._process.exitcode
+        while self.returncode is None and self._read(0):
+            pass
         return self.returncode
 
     def wait(self, timeout=None):
-        self._process.join(timeout)
-        if self.poll() is None:
-            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not self._read(left):
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
         return self.returncode
 
 
-def _run_task(form, args, env, cwd, death_signal, launcher, output, network):
-    """In the forked child: becomes the task, then runs its program as `python` would."""
-    os.setsid()
-    # The task's parent is the fork server, which outlives the launcher while any task holds
-    # its pipe: the task watches the launcher itself (and gets `death_signal` should the
-    # server go first).
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, death_signal)
+def serve(control_fd):
+    """The fork server's main: imports `PRELOAD`, then forks a task for every request on
+    `control_fd` and reports each task's pid, process group and exit code on the task's own
+    socket; ends when the launcher closes its socket (or dies: the server's death signal)."""
+    for module in PRELOAD:
+        importlib.import_module(module)
+    control = socket.socket(fileno=control_fd)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    reports = {}  # pid -> the socket its exit code goes to
+    while True:
+        ready = select.select([control, wake_read], [], [])[0]
+        if wake_read in ready:
+            os.read(wake_read, 4096)
+            _reap(reports)
+        if control in ready:
+            message, fds, _, _ = socket.recv_fds(control, 1 << 20, 3)
+            if not message:
+                return  # the launcher closed its socket
+            report = socket.socket(fileno=fds[0])
+            server = os.getpid()
+            pid = os.fork()
+            if pid == 0:
+                try:  # never back into the server's loop
+                    for fd in [control.detach(), wake_read, wake_write,
+                               *(r.detach() for r in reports.values())]:
+                        os.close(fd)
+                    _task(server, report, fds[1], fds[2] if len(fds) > 2 else None,
+                          *pickle.loads(message))
+                finally:
+                    os._exit(1)
+            for fd in fds[1:]:
+                os.close(fd)
+            reports[pid] = report
+            _send(report, _FORKED, pid)
+            _reap(reports)
+
+
+def _send(report, tag, value):
     try:
-        watch = os.pidfd_open(launcher)
-    except ProcessLookupError:
+        report.sendall(_MESSAGE.pack(tag, value))
+    except OSError:
+        pass  # the launcher has let the task go
+
+
+def _reap(reports):
+    while reports:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        report = reports.pop(pid, None)
+        if report is not None:
+            _send(report, _EXITED, os.waitstatus_to_exitcode(status))
+            report.close()
+
+
+def _task(server, report, output, network, form, args, env, cwd, death_signal, has_network):
+    """In the forked child: becomes the task, then runs its program as `python` would."""
+    try:
+        os.setsid()
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, death_signal)
+        if os.getppid() != server:
+            os._exit(1)  # the server ended before the death signal was set
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for target in (1, 2):
+            os.dup2(output, target)
+        os.close(output)
+        for stream in (sys.stdout, sys.stderr):
+            stream.reconfigure(line_buffering=True, write_through=True)
+        _send(report, _GROUPED, 0)
+        report.close()
+        if has_network:
+            enter_network(network)
+            os.close(network)
+        if cwd is not None:
+            os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        if "numpy" in sys.modules:  # each fresh interpreter seeds it from the OS
+            sys.modules["numpy"].random.seed()
+        # As the interpreter builds sys.path: the script's directory (or the working
+        # directory for -m) first, then PYTHONPATH's entries, then the rest of the server's.
+        extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        kind, name = form
+        first = os.path.dirname(os.path.abspath(name)) if kind == "path" else os.getcwd()
+        sys.path[:] = [first, *extra] + [p for p in sys.path[1:] if p not in extra]
+        sys.argv = [name if kind == "path" else "-m", *args]  # run_module puts the file first
+    except BaseException:
+        traceback.print_exc()
+        flush_standard_streams()
         os._exit(1)
-    threading.Thread(target=_die_with, args=(watch, death_signal), daemon=True,
-                     name="tfdist-launcher-watch").start()
-    if network is not None:
-        enter_network(network)
-        os.close(network)
-    for target in (1, 2):
-        os.dup2(output, target)
-    os.close(output)
-    for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True, write_through=True)
-    if cwd is not None:
-        os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    # As the interpreter builds sys.path: the script's directory (or the working directory
-    # for -m) first, then PYTHONPATH's entries, then what the server had.
-    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    kind, name = form
-    first = os.path.dirname(os.path.abspath(name)) if kind == "path" else os.getcwd()
-    sys.path[:] = [first, *extra] + [p for p in sys.path[1:] if p not in extra]
-    sys.argv = [name if kind == "path" else "-m", *args]  # run_module puts the file first
     code = 0
     try:
         if kind == "path":
@@ -184,16 +322,10 @@ def _run_task(form, args, env, cwd, death_signal, launcher, output, network):
     _finish(code)
 
 
-def _die_with(launcher, death_signal):
-    """Sends this task `death_signal` once the launcher (`launcher`, its pidfd) has ended."""
-    select.select([launcher], [], [])
-    os.kill(os.getpid(), death_signal)
-
-
 def _finish(code):
     """Ends the task as the interpreter ends: its other threads that are not daemons joined,
     its exit functions run (a tfdist worker's leave, the gossip peers'), its streams flushed;
-    then `code`, without `multiprocessing`'s own ending."""
+    then `code`."""
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
