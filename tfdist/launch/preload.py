@@ -39,7 +39,6 @@ import sys
 import threading
 import time
 import traceback
-import types
 
 from tfdist._process import die_with
 from tfdist._process import flush_standard_streams
@@ -151,44 +150,37 @@ class ForkedTask:
             os.close(write)
         self.stdout = os.fdopen(read, "rb")
         self.pid = self.returncode = None
-        self._grouped = self._server_gone = False
-        self._death_signal = int(death_signal)
+        self._grouped = False
         self._lock = threading.Lock()
         deadline = time.monotonic() + START_TIMEOUT
-        while not (self.pid is not None and (self._grouped or self.poll() is not None)):
-            problem = None
-            if self._server_gone and (self.pid is None or not self._grouped):
-                problem = OSError("the preload server ended before the task started (its "
-                                  f"errors are on the launcher's stderr): {argv!r}")
-            elif not self._read(max(0.0, deadline - time.monotonic())):
-                problem = TimeoutError(f"a task forked from the preload server did not start "
-                                       f"within {START_TIMEOUT:g} s: {argv!r}")
-            if problem is not None:
+        while not (self.pid is not None and (self._grouped or self.returncode is not None)):
+            if self.pid is None and self.returncode is not None:
+                self.stdout.close()
+                raise OSError("the preload server ended before it forked the task (its "
+                              f"errors are on the launcher's stderr): {argv!r}")
+            if not self._read(max(0.0, deadline - time.monotonic())):
                 if self.pid is not None:
                     os.kill(self.pid, signal.SIGKILL)
-                # Closed: a task forked after this finds nobody to report to, and exits.
-                self._report.close()
-                self.stdout.close()
-                raise problem
+                raise TimeoutError(f"a task forked from the preload server did not start "
+                                   f"within {START_TIMEOUT:g} s: {argv!r}")
 
     def _read(self, timeout):
         """Reads one message within `timeout` s (None: without bound); False if none came.
         (`poll` and `wait` may be called from several threads: one reads at a time.)"""
-        if self._server_gone:
-            return False
-        if not select.select([self._report], [], [], timeout)[0]:
-            return False
+        try:
+            if not select.select([self._report], [], [], timeout)[0]:
+                return False
+        except (ValueError, OSError):  # closed by another thread: the exit was read
+            return True
         with self._lock:
-            if self._server_gone or not select.select([self._report], [], [], 0)[0]:
+            if self.returncode is not None or not select.select([self._report], [], [], 0)[0]:
                 return True  # another thread read it
             data = b""
             while len(data) < _MESSAGE.size:
                 chunk = self._report.recv(_MESSAGE.size - len(data))
-                if not chunk:
-                    # The server ended (not the launcher: an OOM kill, say): the kernel has
-                    # sent the task its death signal, which a worker may handle. Its exit is
-                    # seen from here on by its process group's disappearance.
-                    self._server_gone = True
+                if not chunk:  # the server ended: the task is gone with it (its death signal)
+                    self.returncode = 255
+                    self._report.close()
                     return True
                 data += chunk
             tag, value = _MESSAGE.unpack(data)
@@ -198,44 +190,21 @@ class ForkedTask:
                 self._grouped = True
             else:
                 self.returncode = value
-                self._server_gone = True  # nothing more comes: the server closed its end
+                self._report.close()
             return True
-
-    def _orphan_ended(self):
-        """Whether a task whose server ended has ended too (exit code: its death signal's,
-        the real one is its new parent's to read)."""
-        try:
-            os.killpg(self.pid, 0)
-        except ProcessLookupError:
-            self.returncode = -self._death_signal
-            return True
-        except PermissionError:
-            pass
-        return False
 
     def poll(self):
         while self.returncode is None and self._read(0):
             pass
-        if self.returncode is None and self._server_gone and self.pid is not None:
-            self._orphan_ended()
         return self.returncode
 
     def wait(self, timeout=None):
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
+        while self.returncode is None:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if left == 0.0:
+            if not self._read(left):
                 raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
-            if self._server_gone:
-                time.sleep(min(0.05, left) if left is not None else 0.05)
-            else:
-                self._read(left)
         return self.returncode
-
-    def __del__(self):
-        report = getattr(self, "_report", None)
-        if report is not None:
-            report.close()
 
 
 def serve(control_fd):
@@ -279,12 +248,10 @@ def serve(control_fd):
 
 
 def _send(report, tag, value):
-    """Sends one message; False if the launcher has closed the task's socket."""
     try:
         report.sendall(_MESSAGE.pack(tag, value))
-        return True
     except OSError:
-        return False
+        pass  # the launcher has let the task go
 
 
 def _reap(reports):
@@ -315,8 +282,7 @@ def _task(server, report, output, network, form, args, env, cwd, death_signal, h
         os.close(output)
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(line_buffering=True, write_through=True)
-        if not _send(report, _GROUPED, 0):
-            os._exit(1)  # the launcher gave up on this task (its start timed out)
+        _send(report, _GROUPED, 0)
         report.close()
         if has_network:
             enter_network(network)
@@ -341,9 +307,9 @@ def _task(server, report, output, network, form, args, env, cwd, death_signal, h
     code = 0
     try:
         if kind == "path":
-            _keep_main(runpy.run_path(name, run_name="__main__"), name, args)
+            runpy.run_path(name, run_name="__main__")
         else:
-            _keep_main(runpy.run_module(name, run_name="__main__", alter_sys=True), None, args)
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
@@ -356,21 +322,13 @@ def _task(server, report, output, network, form, args, env, cwd, death_signal, h
     _finish(code)
 
 
-def _keep_main(namespace, path, args):
-    """After the program ran: its namespace stays `__main__` and its argv stays, for what
-    runs at exit (runpy puts the server's back), as in an interpreter that ran it."""
-    module = types.ModuleType("__main__")
-    module.__dict__.update(namespace)
-    sys.modules["__main__"] = module
-    sys.argv = [path or namespace.get("__file__", "-m"), *args]
-
-
 def _finish(code):
-    """Ends the task as the interpreter ends: threading's shutdown (its exit hooks, which stop
-    `concurrent.futures` pools, then the threads that are not daemons joined), its exit
-    functions run (a tfdist worker's leave, the gossip peers'), its streams flushed; then
-    `code`."""
-    threading._shutdown()
+    """Ends the task as the interpreter ends: its other threads that are not daemons joined,
+    its exit functions run (a tfdist worker's leave, the gossip peers'), its streams flushed;
+    then `code`."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
     atexit._run_exitfuncs()
     flush_standard_streams()
     os._exit(code & 0xFF)
