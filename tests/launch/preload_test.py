@@ -74,7 +74,8 @@ class PreloadTest(tf.test.TestCase):
         self.assertEqual({name: code for name, code in result.task_returncodes.items()
                           if name.startswith("worker")},
                          {"worker:0": 0, "worker:1": 1, "worker:2": 3}, log)
-        self.assertEqual(result.failed_task, "worker:1", log)
+        # (Workers 1 and 2 fail at about the same time: either may be seen first.)
+        self.assertIn(result.failed_task, ("worker:1", "worker:2"), log)
         seen = {task: json.loads(line.split(" ", 1)[1]) for task, line in cluster.lines
                 if line.startswith("seen ")}
         self.assertLen(seen, 3, log)
