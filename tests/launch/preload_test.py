@@ -102,7 +102,7 @@ class PreloadTest(tf.test.TestCase):
                          ("module", "tfdist.launch"))
 
     def test_a_killed_task_is_named_and_no_task_outlives_a_killed_launcher(self):
-        # The launcher (its own process, import-safe as `multiprocessing` asks) starts a 1-ps,
+        # The launcher (its own process, its script guarded by `__main__`) starts a 1-ps,
         # 2-worker cluster whose workers sleep, SIGKILLs worker 1 and supervises; once it has
         # named worker 1, the ps is stopped and the launcher SIGKILLed: every task must go,
         # by the death signals (the fork server's on the launcher, each task's on the server).
