@@ -24,9 +24,9 @@ PRIVATE = re.compile(
     r"|iterations)\b"
     r"|[\"'](_value|_shape|_trainable_variables|_iterations)[\"']")
 # Private names of the standard library that are its public API.
-# (`atexit._run_exitfuncs`: what the interpreter runs at its end, for a task forked by
-# `tfdist.launch.preload`, which ends with os._exit.)
-STANDARD = {("os", "_exit"), ("atexit", "_run_exitfuncs")}
+# (`threading._shutdown`, `atexit._run_exitfuncs`: what the interpreter runs at its end, for
+# a task forked by `tfdist.launch.preload`, which ends with os._exit.)
+STANDARD = {("os", "_exit"), ("threading", "_shutdown"), ("atexit", "_run_exitfuncs")}
 
 
 def _is_super(node):

@@ -12,6 +12,8 @@ import time
 
 import tensorflow as tf
 
+from tests.launch.processes import alive
+from tests.launch.processes import wait_until_gone
 from tfdist.cluster import is_listening
 from tfdist.launch import LocalCluster
 
@@ -37,19 +39,6 @@ def _state(pid):
             return f"state {state}, waiting in {f.read() or '-'}"
     except OSError as e:
         return f"unreadable: {e}"
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie is dead but not yet reaped by its parent.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _line_with(process, text):
@@ -90,7 +79,7 @@ class LocalClusterTest(tf.test.TestCase):
 
     def _assert_torn_down(self, cluster):
         pids = [cluster.pid(name) for name in cluster.task_names]
-        self.assertFalse([p for p in pids if _alive(p)], "a task outlived the cluster")
+        self.assertFalse([p for p in pids if alive(p)], "a task outlived the cluster")
         for addresses in cluster.config.cluster.values():
             for address in addresses:
                 self.assertFalse(is_listening(address), f"{address} still listens")
@@ -154,7 +143,7 @@ class LocalClusterTest(tf.test.TestCase):
                       if line.startswith("grandchild")]
         self.assertLen(grandchild, 1)
         time.sleep(0.2)
-        self.assertFalse(_alive(grandchild[0]))
+        self.assertFalse(alive(grandchild[0]))
         self._assert_torn_down(cluster)
 
     def test_restarted_worker_runs_again_with_its_tf_config(self):
@@ -174,7 +163,7 @@ class LocalClusterTest(tf.test.TestCase):
             first = cluster.pid("worker:0")
             cluster.restart("worker:0")
             self.assertNotEqual(cluster.pid("worker:0"), first)
-            self.assertFalse(_alive(first))
+            self.assertFalse(alive(first))
             result = cluster.wait()
         self.assertEqual(result.returncode, 0, cluster.lines)
         self.assertIn(("worker:0", "start worker 0 True"), cluster.lines)
@@ -315,7 +304,7 @@ class LauncherCliTest(tf.test.TestCase):
                 if process.poll() is None:
                     process.kill()
                     process.wait()
-            self.assertFalse(_alive(worker))
+            self.assertFalse(alive(worker))
 
     def test_no_task_outlives_a_killed_launcher(self):
         # SIGKILL (an OOM kill, a CI's kill -9) gives the launcher no chance to clean up: its
@@ -335,12 +324,9 @@ class LauncherCliTest(tf.test.TestCase):
             self.assertLen(tasks, 2)
             process.kill()
             process.wait(10)
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and (any(_alive(pid) for pid in tasks)
-                                                   or is_listening(ps_address)):
-                time.sleep(0.1)
+            wait_until_gone(tasks, ps_address)
             survivors = [f"{'worker' if pid == worker else 'ps'} {pid} ({_state(pid)})"
-                         for pid in tasks if _alive(pid)]
+                         for pid in tasks if alive(pid)]
             self.assertFalse(survivors, "a task outlived its launcher")
             self.assertFalse(is_listening(ps_address), f"{ps_address} still listens")
         finally:

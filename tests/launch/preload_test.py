@@ -14,8 +14,11 @@ import time
 
 import tensorflow as tf
 
+from tests.launch.processes import alive
+from tests.launch.processes import wait_until_gone
 from tfdist.cluster import is_listening
 from tfdist.launch import LocalCluster
+from tfdist.launch import preload
 from tfdist.launch.preload import command_form
 
 RUN_TIMEOUT = 60
@@ -26,7 +29,13 @@ import atexit, json, os, sys
 preloaded = "tensorflow" in sys.modules
 import tensorflow as tf
 task = json.loads(os.environ["TF_CONFIG"])["task"]
-atexit.register(lambda: print("atexit ran", flush=True))
+# What runs at exit sees the program's argv (runpy would have put the server's back).
+atexit.register(lambda: print("atexit ran", flush=True) if sys.argv[1:] == ["--flag", "x"]
+                else print("atexit saw argv", sys.argv, flush=True))
+# A pool never shut down: the interpreter's end stops its thread (a fresh python exits).
+import concurrent.futures
+pool = concurrent.futures.ThreadPoolExecutor(1)
+pool.submit(int).result()
 print("seen", json.dumps({"name": __name__, "argv": sys.argv, "cwd": os.getcwd(),
       "path0": sys.path[0], "extra": os.environ.get("EXTRA"), "preloaded": preloaded,
       "group_leader": os.getpgid(0) == os.getpid(), "parent": os.getppid()}), flush=True)
@@ -40,15 +49,6 @@ if task["index"] == 2:
 def _parent(pid):
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().split(")")[-1].split()[1])
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 class PreloadTest(tf.test.TestCase):
@@ -148,16 +148,32 @@ class PreloadTest(tf.test.TestCase):
             os.kill(pids[0], signal.SIGSTOP)
             process.kill()
             process.wait(10)
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and (any(_alive(p) for p in pids)
-                                                   or is_listening(address)):
-                time.sleep(0.1)
-            self.assertFalse([p for p in pids if _alive(p)], "a task outlived its launcher")
+            wait_until_gone(pids, address)
+            self.assertFalse([p for p in pids if alive(p)], "a task outlived its launcher")
             self.assertFalse(is_listening(address))
         finally:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+    def test_a_task_whose_server_died_is_seen_ending(self):
+        # The server killed (an OOM kill, say) while its task runs: the task gets its death
+        # signal, which it may handle (it takes a second to end); the launcher sees it end
+        # when its process group goes, with that signal's code, and never waits for ever.
+        script = os.path.join(self.get_temp_dir(), "handles_term.py")
+        with open(script, "w") as f:
+            f.write("import signal, sys, time\n"
+                    "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1), sys.exit(7)))\n"
+                    "print('up', flush=True)\n"
+                    "time.sleep(60)\n")
+        task = preload.ForkedTask([sys.executable, script], dict(os.environ), None,
+                                  signal.SIGTERM, None, {})
+        self.assertEqual(task.stdout.readline(), b"up\n")
+        self.assertIsNone(task.poll())
+        preload._server.process.kill()
+        self.assertEqual(task.wait(RUN_TIMEOUT), -signal.SIGTERM)
+        self.assertFalse(alive(task.pid))
+        task.stdout.close()
 
     def test_bad_argument(self):
         with self.assertRaisesRegex(ValueError, r"`preload` must be True or False. "

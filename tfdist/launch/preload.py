@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 
 from tfdist._process import die_with
 from tfdist._process import flush_standard_streams
@@ -150,37 +151,47 @@ class ForkedTask:
             os.close(write)
         self.stdout = os.fdopen(read, "rb")
         self.pid = self.returncode = None
-        self._grouped = False
+        self._grouped = self._server_gone = False
+        self._death_signal = int(death_signal)
         self._lock = threading.Lock()
         deadline = time.monotonic() + START_TIMEOUT
-        while not (self.pid is not None and (self._grouped or self.returncode is not None)):
-            if self.pid is None and self.returncode is not None:
-                self.stdout.close()
-                raise OSError("the preload server ended before it forked the task (its "
-                              f"errors are on the launcher's stderr): {argv!r}")
-            if not self._read(max(0.0, deadline - time.monotonic())):
-                if self.pid is not None:
-                    os.kill(self.pid, signal.SIGKILL)
-                raise TimeoutError(f"a task forked from the preload server did not start "
-                                   f"within {START_TIMEOUT:g} s: {argv!r}")
+        try:
+            while True:
+                self.poll()  # first: what has come may already say the task started
+                if self.pid is not None and (self._grouped or self.returncode is not None):
+                    return
+                if self._server_gone:
+                    raise OSError("the preload server ended before the task started (its "
+                                  f"errors are on the launcher's stderr): {argv!r}")
+                if not self._read(max(0.0, deadline - time.monotonic())):
+                    if self.pid is not None:
+                        os.kill(self.pid, signal.SIGKILL)  # not reaped: no exit code came
+                    raise TimeoutError(f"a task forked from the preload server did not start "
+                                       f"within {START_TIMEOUT:g} s: {argv!r}")
+        except BaseException:
+            # Closed: a task forked after this finds nobody to report to, and exits.
+            self._report.close()
+            self.stdout.close()
+            raise
 
     def _read(self, timeout):
         """Reads one message within `timeout` s (None: without bound); False if none came.
         (`poll` and `wait` may be called from several threads: one reads at a time.)"""
-        try:
-            if not select.select([self._report], [], [], timeout)[0]:
-                return False
-        except (ValueError, OSError):  # closed by another thread: the exit was read
-            return True
+        if self._server_gone:
+            return False
+        if not select.select([self._report], [], [], timeout)[0]:
+            return False
         with self._lock:
-            if self.returncode is not None or not select.select([self._report], [], [], 0)[0]:
+            if self._server_gone or not select.select([self._report], [], [], 0)[0]:
                 return True  # another thread read it
             data = b""
             while len(data) < _MESSAGE.size:
                 chunk = self._report.recv(_MESSAGE.size - len(data))
-                if not chunk:  # the server ended: the task is gone with it (its death signal)
-                    self.returncode = 255
-                    self._report.close()
+                if not chunk:
+                    # The server ended (not the launcher: an OOM kill, say). The kernel has
+                    # sent the task its death signal, which a worker may handle: its end is
+                    # seen from here on by its process group's going (`poll`).
+                    self._server_gone = True
                     return True
                 data += chunk
             tag, value = _MESSAGE.unpack(data)
@@ -190,21 +201,39 @@ class ForkedTask:
                 self._grouped = True
             else:
                 self.returncode = value
-                self._report.close()
+                self._server_gone = True  # nothing more comes: the server closed its end
             return True
 
     def poll(self):
         while self.returncode is None and self._read(0):
             pass
+        if self.returncode is None and self._server_gone and self._grouped:
+            # Orphaned, its exit code is its new parent's to read: ended once its process
+            # group is gone, with its death signal's code.
+            try:
+                os.killpg(self.pid, 0)
+            except ProcessLookupError:
+                self.returncode = -self._death_signal
+            except PermissionError:
+                pass  # the group is there (a member changed its user)
         return self.returncode
 
     def wait(self, timeout=None):
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.returncode is None:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._read(left):
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout)
+            if self._server_gone:
+                time.sleep(0.05 if left is None else min(0.05, left))
+            else:
+                self._read(left)
         return self.returncode
+
+    def __del__(self):
+        report = getattr(self, "_report", None)
+        if report is not None:
+            report.close()
 
 
 def serve(control_fd):
@@ -248,10 +277,12 @@ def serve(control_fd):
 
 
 def _send(report, tag, value):
+    """Sends one message; False if the launcher has closed the task's socket."""
     try:
         report.sendall(_MESSAGE.pack(tag, value))
+        return True
     except OSError:
-        pass  # the launcher has let the task go
+        return False
 
 
 def _reap(reports):
@@ -282,7 +313,8 @@ def _task(server, report, output, network, form, args, env, cwd, death_signal, h
         os.close(output)
         for stream in (sys.stdout, sys.stderr):
             stream.reconfigure(line_buffering=True, write_through=True)
-        _send(report, _GROUPED, 0)
+        if not _send(report, _GROUPED, 0):
+            os._exit(1)  # the launcher gave up on this task (its start timed out)
         report.close()
         if has_network:
             enter_network(network)
@@ -307,9 +339,10 @@ def _task(server, report, output, network, form, args, env, cwd, death_signal, h
     code = 0
     try:
         if kind == "path":
-            runpy.run_path(name, run_name="__main__")
+            _keep_main(runpy.run_path(name, run_name="__main__"), [name, *args])
         else:
-            runpy.run_module(name, run_name="__main__", alter_sys=True)
+            _keep_main(runpy.run_module(name, run_name="__main__", alter_sys=True),
+                       [None, *args])
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
@@ -322,13 +355,21 @@ def _task(server, report, output, network, form, args, env, cwd, death_signal, h
     _finish(code)
 
 
+def _keep_main(namespace, argv):
+    """After the program ran: its namespace stays `__main__` and its argv stays, for what
+    runs at exit (runpy puts the server's back), as in an interpreter that ran it."""
+    module = types.ModuleType("__main__")
+    module.__dict__.update(namespace)
+    sys.modules["__main__"] = module
+    sys.argv = [argv[0] or namespace.get("__file__", "-m"), *argv[1:]]
+
+
 def _finish(code):
-    """Ends the task as the interpreter ends: its other threads that are not daemons joined,
-    its exit functions run (a tfdist worker's leave, the gossip peers'), its streams flushed;
-    then `code`."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    """Ends the task as the interpreter ends: threading's shutdown (its exit hooks, which stop
+    `concurrent.futures` pools, then the threads that are not daemons joined), its exit
+    functions run (a tfdist worker's leave, the gossip peers'), its streams flushed; then
+    `code`."""
+    threading._shutdown()
     atexit._run_exitfuncs()
     flush_standard_streams()
     os._exit(code & 0xFF)
