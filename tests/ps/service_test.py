@@ -153,6 +153,15 @@ class ServiceTest(tf.test.TestCase):
             with self.subTest(imports=imports):
                 self.assertIn("was not named on the ps task's command line",
                               refused_import(spec(imports=imports), allowed))
+        # A staleness function runs on the ps: Keras's and tfdist's functions are not ones
+        # (a message could name any of them); tfdist's own go by name.
+        for function in ("keras.utils:get_file", "tfdist.launch.main:main"):
+            with self.subTest(staleness=function):
+                error = refused_import(spec(policy={"name": "async", "staleness": function}),
+                                       allowed)
+                self.assertIn("a staleness function, which runs on the ps, must be in a module "
+                              "named on the ps task's command line", error)
+                self.assertIn(f"--ps_import={function.partition(':')[0]}", error)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,18 @@ class Ready(keras.callbacks.Callback):
             print("READY " + json.dumps({k: float(v) for k, v in logs.items()}), flush=True)
 
 
+def inbound(port):
+    """The TCP connections made to `port` on this host (established ones: gRPC keeps its
+    channels open, so a peer that ever connected to it is still seen)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                count += state == "01" and int(local.rsplit(":", 1)[1], 16) == port
+    return count
+
+
 def history_of(history):
     return {k: [float(v) for v in vs] for k, vs in history.history.items()}
 
@@ -108,7 +120,8 @@ def main(argv):
     result.update(connected=weights(), first=history_of(first))
     second = model.fit(xs, ys, **fit)
     result.update(second=history_of(second), before_join=strategy.progress(),
-                  before_join_weights=weights())
+                  before_join_weights=weights(),
+                  courier_inbound=inbound(strategy.extended._node.courier_port))
     saved = os.path.join(FLAGS.out_dir, f"worker{rank}.keras")
     model.save(saved)
     if rank == 0:

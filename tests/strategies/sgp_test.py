@@ -200,6 +200,10 @@ class ClusterTest(tf.test.TestCase):
             # 6 x 2 + 6 x 1 in the steps; worker 1 takes worker 0's 13th-step message (hub 0
             # sends to 1) in its join.
             self.assertEqual(worker["before_join"]["messages_received"], 18)
+            # Nothing connects to a courier's own port (it only connects out to the peers'
+            # ports): a firewall admitting only the job's port, as the Kubernetes manifests'
+            # NetworkPolicy does, lets SGP run.
+            self.assertEqual(worker["courier_inbound"], 0)
             # 6 steps to 2 peers, 6 (worker 0: 7) to 1; 4 bytes x (7 head words + 178
             # parameters) each.
             self.assertEqual(worker["progress"]["bytes_sent"],

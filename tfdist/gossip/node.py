@@ -66,7 +66,9 @@ class GossipNode:
         self.peer_timeout = peer_timeout
         self._start_server(inter_op_threads)
         _started.append(self)
-        port = pick_free_ports(1)[0]
+        # The courier's own server port: it only connects out (to the peers' ports), nothing
+        # connects to it, so no firewall rule needs it (tests/strategies/sgp_test.py checks).
+        self.courier_port = port = pick_free_ports(1)[0]
         spec = {"tf_config": config.to_dict(), "port": port, "connect_timeout": connect_timeout}
         env = dict(os.environ, TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE="False")
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

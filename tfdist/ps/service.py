@@ -275,22 +275,27 @@ def refused_import(spec, allowed):
     `module:function` staleness functions; importing a module runs its code, and any process
     that reaches the ps port can say hello. So the ps imports only Keras's and tfdist's own
     modules and those named on its own command line (`allowed`: `--ps_import`, and their
-    submodules).
+    submodules). A staleness function is called on the ps: it must come from a module named
+    on the command line, never from Keras's or tfdist's (any of whose functions a message
+    could otherwise name; tfdist's own staleness functions go by name, "none", "inverse").
     """
-    wanted = list(spec.imports)
     staleness = spec.policy.get("staleness") if isinstance(spec.policy, dict) else None
+    references = [(str(module), OWN_MODULES) for module in spec.imports]
     if isinstance(staleness, str) and ":" in staleness:
-        wanted.append(staleness)
-    for reference in wanted:
-        module = str(reference).partition(":")[0]
-        if not any(module == root or module.startswith(root + ".")
-                   for root in (*OWN_MODULES, *allowed)):
+        references.append((staleness, ()))
+    for reference, own in references:
+        module = reference.partition(":")[0]
+        roots = (*own, *allowed)
+        if not any(module == root or module.startswith(root + ".") for root in roots):
+            what = ("a staleness function, which runs on the ps, must be in a module named on "
+                    "the ps task's command line"
+                    if reference == staleness else "a ps imports only Keras's and tfdist's own "
+                    "modules and those given to it")
             return (f"the workers' spec asks the ps to import {module!r} (for "
-                    f"{reference!r}), which was not named on the ps task's command line: a ps "
-                    f"imports only Keras's and tfdist's own modules and those given to it. "
-                    f"Start the ps tasks with `tfdist-launch --job_name=ps --ps_import={module}` "
-                    f"(`LocalCluster(..., ps_imports=[{module!r}])`). Allowed now: "
-                    f"{[*OWN_MODULES, *allowed]}")
+                    f"{reference!r}), which was not named on the ps task's command line: "
+                    f"{what}. Start the ps tasks with `tfdist-launch --job_name=ps "
+                    f"--ps_import={module}` (`LocalCluster(..., ps_imports=[{module!r}])`). "
+                    f"Allowed now: {list(roots)}")
     return None
 
 
