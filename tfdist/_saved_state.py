@@ -15,6 +15,7 @@ makes its variables, and a checkpoint restores the names a trackable has now.
 """
 
 import abc
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -72,13 +73,49 @@ class SavedState(_tf_compat.Trackable, _tf_compat.KerasSaveable, metaclass=abc.A
             self.restore_missing()
 
 
+def _bare(optimizer):
+    # Keras's loading makes a bare `Optimizer` to learn which attributes to skip.
+    return type(optimizer).__name__ == "Optimizer"
+
+
 def attach(optimizer, attribute, state):
     """Puts `state` in the checkpoints that hold `optimizer` (a Keras optimizer, or None),
     as its attribute `attribute`. A bare `Optimizer`, which Keras's loading makes to learn
     which attributes to skip, gets none."""
-    if (optimizer is not None and type(optimizer).__name__ != "Optimizer"
+    if (optimizer is not None and not _bare(optimizer)
             and getattr(optimizer, attribute, None) is not state):
         setattr(optimizer, attribute, state)
+
+
+class OnUse:
+    """Gives each Keras optimizer made under a strategy its state once it is put to use.
+
+    `seen` is called for each variable made under the strategy, with the optimizer making
+    it (or None). An optimizer is put to use when anything else is made under the strategy
+    after it (`compile`'s metrics, a model), or when it is built on its weights: from then on
+    a Keras file or a checkpoint loaded before its first step finds the state. An optimizer
+    only made has no state yet, so the one Keras revives from its config, outside the
+    strategy, has the same attributes (Keras's own serialization test); a bare `Optimizer`
+    gets none.
+
+    Args:
+      give: called with each optimizer put to use (again for one already given its state).
+    """
+
+    def __init__(self, give):
+        self._give = give
+        self._unused = weakref.WeakValueDictionary()  # id -> an optimizer not yet put to use
+
+    def seen(self, optimizer):
+        if optimizer is not None and not getattr(optimizer, "built", False):
+            if not _bare(optimizer):
+                self._unused[id(optimizer)] = optimizer  # its constructor's own variables
+            return
+        for unused in list(self._unused.values()):
+            self._give(unused)
+        self._unused.clear()
+        if optimizer is not None and not _bare(optimizer):
+            self._give(optimizer)
 
 
 class _Snapshot(_tf_compat.Trackable):

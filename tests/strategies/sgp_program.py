@@ -24,6 +24,7 @@ from absl import flags
 
 import tfdist
 from tests.strategies import ps_program
+from tfdist.gossip import state as gossip_state
 
 # ps_program defines --out_dir, --epochs and the strategy flags (run with --strategy=sgp).
 FLAGS = flags.FLAGS
@@ -67,8 +68,13 @@ def build_model(scenario):
     if scenario != "equivalence":
         return model
     observed = keras.Sequential([keras.Input((8,)), *model.layers, Observe()])
-    observed.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy",
+    optimizer = keras.optimizers.SGD(0.1)
+    # The gossip state is the optimizer's once it is put to use (compile's metrics), not as
+    # it is made: one Keras revives from its config has the same attributes.
+    when_made = hasattr(optimizer, gossip_state.ATTRIBUTE)
+    observed.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy",
                      metrics=["accuracy"])
+    observed.gossip_state_attached = [when_made, hasattr(optimizer, gossip_state.ATTRIBUTE)]
     return observed
 
 
@@ -111,7 +117,8 @@ def main(argv):
     x, y = ps_program.data()
     xs, ys = strategy.shard(x, y)
     weights = lambda: [w.tolist() for w in model.get_weights()]  # noqa: E731
-    result = {"initial": weights(), "devices": sorted({w.value.device for w in model.weights})}
+    result = {"initial": weights(), "devices": sorted({w.value.device for w in model.weights}),
+              "gossip_state_attached": getattr(model, "gossip_state_attached", None)}
     fit = dict(batch_size=BATCH, epochs=FLAGS.epochs, shuffle=False, verbose=0)
     if FLAGS.sgp_scenario == "long":
         model.fit(xs, ys, callbacks=[Ready()], **fit)

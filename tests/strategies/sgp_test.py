@@ -204,6 +204,8 @@ class ClusterTest(tf.test.TestCase):
             # ports): a firewall admitting only the job's port, as the Kubernetes manifests'
             # NetworkPolicy does, lets SGP run.
             self.assertEqual(worker["courier_inbound"], 0)
+            # Not when the optimizer is made, once compile puts it to use.
+            self.assertEqual(worker["gossip_state_attached"], [False, True])
             # 6 steps to 2 peers, 6 (worker 0: 7) to 1; 4 bytes x (7 head words + 178
             # parameters) each.
             self.assertEqual(worker["progress"]["bytes_sent"],

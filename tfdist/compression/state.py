@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import _tf_compat
+from tfdist._saved_state import OnUse
 from tfdist._saved_state import SavedState
 
 log = logging.getLogger("tfdist")
@@ -270,7 +271,7 @@ class StateRegistry:
         self._states = weakref.WeakValueDictionary()
         self._count = itertools.count()
         self._default = None
-        self._unused = weakref.WeakValueDictionary()  # id -> an optimizer not yet put to use
+        self._on_use = OnUse(self.state_of)
 
     def state_of(self, optimizer):
         """The state of `optimizer` (None: one state of the strategy's own)."""
@@ -287,25 +288,9 @@ class StateRegistry:
 
     def attach(self, optimizer):
         """Called for each variable made under the strategy (`optimizer`: the one making it,
-        or None): gives the optimizers made under it their state once they are put to use,
-        before their first step, so that a file or a checkpoint loaded before it finds the
-        state.
-
-        An optimizer is put to use when anything else is made under the strategy after it
-        (`compile`'s metrics, a model), or when it is built on its weights. An optimizer
-        only made has no state yet: the one Keras revives from its config, outside the
-        strategy, has the same attributes (Keras's own serialization test). Keras's saving
-        makes a bare `Optimizer` to learn which attributes to skip: it gets none.
-        """
-        if optimizer is not None and not getattr(optimizer, "built", False):
-            if type(optimizer).__name__ != "Optimizer":
-                self._unused[id(optimizer)] = optimizer  # its constructor's own variables
-            return
-        for unused in list(self._unused.values()):
-            self.state_of(unused)
-        self._unused.clear()
-        if optimizer is not None and type(optimizer).__name__ != "Optimizer":
-            self.state_of(optimizer)
+        or None): gives the optimizers made under it their state once they are put to use
+        (`tfdist._saved_state.OnUse`)."""
+        self._on_use.seen(optimizer)
 
     def states(self):
         """The states that hold state (a LossScaleOptimizer's own holds none: its inner

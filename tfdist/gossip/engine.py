@@ -19,6 +19,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from tfdist import _saved_state
 from tfdist import _tf_compat
 from tfdist._args import check_bool
 from tfdist._args import check_int
@@ -112,6 +113,7 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
             # delay (steps), steps that waited for a message, bytes sent.
             self._stats = state("stats", [0, 0, 0, 0, 0], tf.int64)
         self._saved = gossip_state.GossipState(self)
+        self._on_use = _saved_state.OnUse(lambda o: gossip_state.attach(o, self._saved))
         # The float variables of the Keras layers made under this strategy's scope (weights,
         # and non-trainable ones such as BatchNormalization's moving statistics), in order.
         self._model_variables = []
@@ -120,9 +122,10 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
     # Checkpoints -------------------------------------------------------------------------
 
     def _create_variable(self, next_creator, **kwargs):
-        # The optimizer made under this strategy gets the gossip state when it makes its
-        # first variable, so that loading a file before the first step restores it.
-        gossip_state.attach(_tf_compat.keras_optimizer_in_scope(), self._saved)
+        # The optimizer made under this strategy gets the gossip state once it is put to use
+        # (a model, metrics made after it), so that loading a file before the first step
+        # restores it, and one revived from its config has the same attributes.
+        self._on_use.seen(_tf_compat.keras_optimizer_in_scope())
         variable = super()._create_variable(next_creator, **kwargs)
         if (_tf_compat.keras_layer_in_scope() is not None and variable.dtype.is_floating
                 and not self._left):

@@ -10,6 +10,7 @@ import logging
 import numpy as np
 import tensorflow as tf
 
+from tfdist import _saved_state
 from tfdist import _tf_compat
 from tfdist.ps import protocol
 from tfdist.ps.averaged_rows import ChangedRows
@@ -43,6 +44,8 @@ class ModelPush(Push):
         self.period = period
         self.average_optimizer_state = average_optimizer_state
         self.outer = None if outer_optimizer is None else OuterOptimizer(outer_optimizer)
+        if self.outer is not None:
+            self._outer_on_use = _saved_state.OnUse(self.outer.attach)
         self._bases = {}  # with compression: each shard's model at the last average
         # The tables averaged by rows (`tfdist.ps.averaged_rows`), and the rows each changed.
         self.rows = ChangedRows()
@@ -59,11 +62,15 @@ class ModelPush(Push):
                                             name="tfdist_table_rows_pushed")
         self.rows.host_device = engine._connection.host_device
 
+    def variable_made(self, optimizer):
+        if self.outer is not None and not self.outer.building:
+            # The outer state goes with the model's optimizer once it is put to use
+            # (`_saved_state.OnUse`): before a checkpoint or a backup restores it.
+            self._outer_on_use.seen(optimizer)
+
     def role(self, kwargs, optimizer):
-        if self.outer is not None:
-            if self.outer.building:
-                return protocol.OPTIMIZER  # the outer optimizer's state lives on the ps tasks
-            self.outer.attach(optimizer)  # before a checkpoint restores it: in __init__
+        if self.outer is not None and self.outer.building:
+            return protocol.OPTIMIZER  # the outer optimizer's state lives on the ps tasks
         if optimizer is not None:
             name = kwargs.get("name") or ""
             if _tf_compat.keras_optimizer_makes_learning_rate(name):

@@ -59,6 +59,11 @@ class Push(abc.ABC):
                 "weights the others train. Compile with `use_ema=False`, and keep an average of "
                 "the weights in a callback on the chief if you need one")
 
+    def variable_made(self, optimizer):
+        """Called before each variable made under the strategy (`optimizer`: the Keras
+        optimizer making it, or None), metrics' included; by default, nothing."""
+        del optimizer
+
     @abc.abstractmethod
     def role(self, kwargs, optimizer):
         """The role (`protocol`) of a new variable made with `kwargs` by `optimizer` (a

@@ -128,8 +128,10 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
     # Variables ---------------------------------------------------------------------------
 
     def _create_variable(self, next_creator, **kwargs):
+        optimizer = _tf_compat.keras_optimizer_in_scope()
         if self._codec is not None:
-            self._codec.attach(_tf_compat.keras_optimizer_in_scope())
+            self._codec.attach(optimizer)
+        self._push.variable_made(optimizer)
         if (kwargs.get("synchronization") == tf.VariableSynchronization.ON_READ
                 or self._clients is not None):
             # Metric state, and anything made after the run started, stays with the worker.
@@ -147,7 +149,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             initial_value = tf.convert_to_tensor(initial_value, dtype=kwargs.get("dtype"))
         kwargs["initial_value"] = initial_value
         kwargs.setdefault("dtype", initial_value.dtype)
-        role = self._push.role(kwargs, _tf_compat.keras_optimizer_in_scope())
+        role = self._push.role(kwargs, optimizer)
         if role is None:
             return super()._create_variable(next_creator, **kwargs)
         colocate_with = kwargs.pop("colocate_with", None)
