@@ -35,6 +35,8 @@ class Shard:
 
     def __init__(self, variables, policy, initial, num_workers=2, optimizer=None,
                  outer_optimizer=None, delta=False):
+        if optimizer is not None:
+            variables, initial = with_optimizer_masters(variables, initial, optimizer)
         self.spec = ShardSpec(
             mode="averaging" if policy.averages_weights else "gradients",
             policy=policy.to_spec(), num_workers=num_workers,
@@ -91,6 +93,12 @@ class Shard:
     def value(self, path):
         return self.masters[path].numpy()
 
+    def optimizer_master(self, name):
+        """The master of the optimizer's variable `name` (`iteration`, a slot...)."""
+        path, = [e.path for e in self.spec.variables
+                 if e.role == "optimizer" and e.path.endswith("/" + name)]
+        return self.masters[path]
+
     def progress_dict(self):
         """The run's progress, with the pushes dropped since the last update (the next
         update records them)."""
@@ -101,6 +109,34 @@ class Shard:
 
 def entry(path, shape, role="gradient", dtype="float32", **fields):
     return {"path": path, "shape": list(shape), "dtype": str(dtype), "role": role, **fields}
+
+
+def with_optimizer_masters(variables, initial, optimizer):
+    """`(variables, initial)` with the masters a worker gives `optimizer`'s own variables
+    (its step counter, learning rate and slots, by the Keras paths it makes them at), as a
+    worker's spec lists them: the optimizer built here on variables at the trained entries'
+    paths."""
+    trained, kinds = [], {}
+    for e in variables:
+        if e["role"] in ("gradient", "table"):
+            scope, _, name = e["path"].rpartition("/")
+            with keras.name_scope(scope):
+                trained.append(keras.Variable(np.zeros(e["shape"], e["dtype"]), name=name))
+            kinds[trained[-1].path.replace("/", "_")] = e
+    local = keras.optimizers.deserialize(optimizer)
+    local.build(trained)
+    listed = {e["path"] for e in variables}
+    extra = []
+    for v in local.variables:
+        if v.path in listed:
+            continue
+        of = next((e for k, e in kinds.items() if v.path.rpartition("/")[2].startswith(k)),
+                  None)
+        table = {"role": "table", "table": True, "rows": of["rows"]} if of and of.get(
+            "table") else {"role": "optimizer"}
+        extra.append(entry(v.path, v.shape, dtype=v.dtype, **table))
+        initial = {**initial, v.path: v.numpy()}
+    return [*variables, *extra], initial
 
 
 def sgd(learning_rate, **kwargs):
@@ -232,6 +268,43 @@ class StalenessTest(tf.test.TestCase):
         shard.serve()
         w3 = w2 - lr * (g0 + lam * g0 * g0 * (w2 - w1))
         self.assertAllClose(shard.value("d/w"), w3, rtol=1e-6)
+
+
+class GlobalStepTest(tf.test.TestCase):
+    """The global step (pushes' tags, staleness, stale-push dropping) is the updater's own
+    count of updates, not the optimizer's `iterations`, which a user's load rewinds."""
+
+    def rewound(self, policy):
+        """A shard after 3 updates of worker 0, then the chief's `load_weights` of an older
+        checkpoint (its `iterations` 0), then one more update."""
+        shard = Shard([entry("d/w", [1])], policy, {"d/w": np.zeros([1], np.float32)},
+                      optimizer=sgd(1.0))
+        for step in range(3):
+            shard.push(step, 0, [1.0])
+            shard.serve()
+        shard.optimizer_master("iteration").assign(0)  # what the chief's load writes
+        shard.push(3, 0, [1.0])
+        shard.serve()
+        return shard
+
+    def test_a_load_that_rewinds_iterations_leaves_the_global_step_monotone(self):
+        shard = self.rewound(SoftSyncPolicy(1, 2))
+        self.assertEqual(shard.progress_dict()["global_step"], 4)
+        self.assertEqual(int(shard.optimizer_master("iteration").numpy()), 1)  # Keras's count
+        # Soft sync: a push computed on the weights of step 1 is stale, dropped.
+        shard.push(1, 1, [5.0])
+        shard.serve()
+        self.assertAllClose(shard.value("d/w"), [-4.0])
+        self.assertEqual(shard.progress_dict()["dropped_gradients"], 1)
+        self.assertEqual([t for t, _, _ in shard.replies(0)], [1, 2, 3, 4])
+
+    def test_async_measures_staleness_against_the_monotone_step(self):
+        shard = self.rewound(AsyncPolicy("inverse"))
+        shard.push(2, 1, [4.0])  # computed at step 2, applied at 5: staleness 2, lr / 2
+        shard.serve()
+        self.assertAllClose(shard.value("d/w"), [-4.0 - 2.0])
+        progress = shard.progress_dict()
+        self.assertEqual((progress["global_step"], progress["staleness_max"]), (5, 2))
 
 
 class StateAndAveragingTest(tf.test.TestCase):

@@ -142,7 +142,8 @@ class ShardUpdateGraph:
         self.record_end = tf.function(self._record_end_fn)
 
     def start_from_optimizer_step(self):
-        """A run resumed from a checkpoint goes on from the restored optimizer step."""
+        """A run resumed from a checkpoint counts its global step on from the restored
+        optimizer step (from then on the two are apart: `_apply_gradients`)."""
         if self.optimizer is not None:
             with tf.device(self.device):
                 self.progress.scatter_nd_update(
@@ -374,7 +375,12 @@ class ShardUpdateGraph:
 
     def _apply_gradients(self, mean, state, updates):
         """The user's optimizer applied once to the mean gradient (delay-compensated for
-        the worker of the last push, its learning rate scaled by the update's staleness)."""
+        the worker of the last push, its learning rate scaled by the update's staleness).
+
+        Returns the new global step: the updater's own count, one more per update. The
+        optimizer's `iterations` is what Keras and the user see (a schedule's step, what a
+        checkpoint holds), and the chief's `load_weights` may set it back; the global step
+        tags pushes and measures their staleness, so it never goes back."""
         if self.weights_read is not None:
             mean = delay_compensated(
                 mean, protocol.ShardLayout.flatten([v.value for v in self.main_variables]),
@@ -400,7 +406,8 @@ class ShardUpdateGraph:
                     self.optimizer.iterations.assign_add(1)
         finally:
             extended.learning_rate_factor = None
-        return tf.cast(self.optimizer.iterations.value, tf.int64)
+        with tf.control_dependencies([self.optimizer.iterations.value]):
+            return self._step() + 1
 
     def _apply_table_rows(self, state, factor):
         """`(ops, [(dense gradient, table)])`: each table's mean gradient rows applied lazily
