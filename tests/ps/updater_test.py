@@ -22,6 +22,7 @@ from tfdist.ps.client import ShardClient
 from tfdist.ps.policies import AsyncPolicy
 from tfdist.ps.policies import AveragingPolicy
 from tfdist.ps.policies import SoftSyncPolicy
+from tfdist.ps.shard_optimizer import RunFailed
 from tfdist.ps.spec import ShardSpec
 from tfdist.ps.updater import ShardUpdateGraph
 from tfdist.ps.updater import shard_push_dtypes
@@ -34,8 +35,8 @@ class Shard:
     """A shard's run opened in this process: its graph, and a worker's view of its queues."""
 
     def __init__(self, variables, policy, initial, num_workers=2, optimizer=None,
-                 outer_optimizer=None, delta=False):
-        if optimizer is not None:
+                 outer_optimizer=None, delta=False, optimizer_masters=True):
+        if optimizer is not None and optimizer_masters:
             variables, initial = with_optimizer_masters(variables, initial, optimizer)
         self.spec = ShardSpec(
             mode="averaging" if policy.averages_weights else "gradients",
@@ -305,6 +306,28 @@ class GlobalStepTest(tf.test.TestCase):
         self.assertAllClose(shard.value("d/w"), [-4.0 - 2.0])
         progress = shard.progress_dict()
         self.assertEqual((progress["global_step"], progress["staleness_max"]), (5, 2))
+
+
+class OptimizerMastersTest(tf.test.TestCase):
+
+    def test_an_optimizer_variable_without_a_master_refuses_the_run_naming_it(self):
+        # Two weights at one Keras path (`add_weight(name="w")` twice in a layer): a worker
+        # numbers the second `d/w#1`, and its slot `sgd/d_w_momentum#1`; rebuilt on the ps,
+        # the optimizer names that slot `sgd/d_w#1_momentum`, which no master is. It must not
+        # live on the ps alone, out of every checkpoint.
+        momentum = keras.optimizers.serialize(keras.optimizers.SGD(0.1, momentum=0.9))
+        name = momentum["config"]["name"]
+        variables = [entry("d/w", [2]), entry("d/w#1", [2]),
+                     entry(f"{name}/iteration", [], role="optimizer", dtype="int64"),
+                     entry(f"{name}/learning_rate", [], role="optimizer"),
+                     entry(f"{name}/d_w_momentum", [2], role="optimizer"),
+                     entry(f"{name}/d_w_momentum#1", [2], role="optimizer")]
+        initial = {e["path"]: np.zeros(e["shape"], e["dtype"]) for e in variables}
+        with self.assertRaisesRegex(
+                RunFailed, rf"(?s)/job:ps/task:0: .*{name}/d_w#1_momentum\b.* no master.*"
+                r"never in a checkpoint.*same Keras path.*'d/w'.*distinct names"):
+            Shard(variables, SoftSyncPolicy(1, 2), initial, optimizer=momentum,
+                  optimizer_masters=False)
 
 
 class StateAndAveragingTest(tf.test.TestCase):

@@ -108,6 +108,7 @@ class ShardUpdateGraph:
                 if excluded:
                     self.optimizer.exclude_from_weight_decay(var_list=excluded)
                 self.optimizer.build(trained)
+                shard_optimizer.check_masters(self.task, self.optimizer, self.masters)
                 if self.table_variables and self.spec.table_updates == "lazy":
                     try:
                         self.rowwise = RowwiseUpdate(self.optimizer, self.table_variables)
