@@ -16,15 +16,18 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import _tf_compat
 from tfdist.ps import protocol
 from tfdist.ps import wire
 from tfdist.ps.client import ShardClient
 from tfdist.ps.policies import AsyncPolicy
 from tfdist.ps.policies import AveragingPolicy
 from tfdist.ps.policies import SoftSyncPolicy
+from tfdist.ps.shard_optimizer import RunFailed
 from tfdist.ps.spec import ShardSpec
 from tfdist.ps.updater import ShardUpdateGraph
 from tfdist.ps.updater import shard_push_dtypes
+from tfdist.ps.variables import MirrorVariable
 
 DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"
 _runs = itertools.count()
@@ -34,7 +37,9 @@ class Shard:
     """A shard's run opened in this process: its graph, and a worker's view of its queues."""
 
     def __init__(self, variables, policy, initial, num_workers=2, optimizer=None,
-                 outer_optimizer=None, delta=False):
+                 outer_optimizer=None, delta=False, optimizer_masters=True):
+        if optimizer is not None and optimizer_masters:
+            variables, initial = with_optimizer_masters(variables, initial, optimizer)
         self.spec = ShardSpec(
             mode="averaging" if policy.averages_weights else "gradients",
             policy=policy.to_spec(), num_workers=num_workers,
@@ -42,7 +47,7 @@ class Shard:
             worker_addresses=[f"localhost:{r}" for r in range(num_workers)], num_ps=1,
             shard=0, variables=variables, optimizer=optimizer,
             outer_optimizer=outer_optimizer, delta=delta, init_timeout=10.0)
-        run = f"updater-test-{next(_runs)}"
+        run = self.run = f"updater-test-{next(_runs)}"
         layout = protocol.ShardLayout(self.spec.variables)
         self.push_dtypes = shard_push_dtypes(layout, None)
         push_queue = protocol.open_push_queue(DEVICE, run, self.push_dtypes)
@@ -55,7 +60,9 @@ class Shard:
         self.masters = masters
         self.queue = push_queue
         self.graph = ShardUpdateGraph(self.spec, DEVICE, push_queue, self.reply_queues,
-                                      self.progress, masters, task="/job:ps/task:0")
+                                      self.progress, masters,
+                                      protocol.open_update_lock(DEVICE, run),
+                                      task="/job:ps/task:0")
         self.state = self.graph.empty_state()
         self.live = tf.constant([True] * num_workers)
 
@@ -71,9 +78,16 @@ class Shard:
 
     def serve(self, required=1):
         """Serves the pushes made so far (then returns, at a control entry)."""
+        self.stop()
+        self.serve_until_stopped(required)
+
+    def stop(self):
+        """Puts the control entry at which `serve_until_stopped` returns."""
         tf.raw_ops.QueueEnqueueV2(handle=self.queue, components=[
             tf.constant(protocol.STOP, tf.int64), tf.constant(0, tf.int32),
             *[tf.zeros([0], d) for d in self.push_dtypes[2:]]])
+
+    def serve_until_stopped(self, required=1):
         self.state, event, _ = self.graph.serve_updates(tf.constant(required), self.live,
                                                         self.state)
         assert int(event) == -protocol.STOP
@@ -91,6 +105,12 @@ class Shard:
     def value(self, path):
         return self.masters[path].numpy()
 
+    def optimizer_master(self, name):
+        """The master of the optimizer's variable `name` (`iteration`, a slot...)."""
+        path, = [e.path for e in self.spec.variables
+                 if e.role == "optimizer" and e.path.endswith("/" + name)]
+        return self.masters[path]
+
     def progress_dict(self):
         """The run's progress, with the pushes dropped since the last update (the next
         update records them)."""
@@ -101,6 +121,34 @@ class Shard:
 
 def entry(path, shape, role="gradient", dtype="float32", **fields):
     return {"path": path, "shape": list(shape), "dtype": str(dtype), "role": role, **fields}
+
+
+def with_optimizer_masters(variables, initial, optimizer):
+    """`(variables, initial)` with the masters a worker gives `optimizer`'s own variables
+    (its step counter, learning rate and slots, by the Keras paths it makes them at), as a
+    worker's spec lists them: the optimizer built here on variables at the trained entries'
+    paths."""
+    trained, kinds = [], {}
+    for e in variables:
+        if e["role"] in ("gradient", "table"):
+            name = e["path"].rpartition("/")[2]
+            with _tf_compat.keras_name_scope_for_path(e["path"]):
+                trained.append(keras.Variable(np.zeros(e["shape"], e["dtype"]), name=name))
+            kinds[trained[-1].path.replace("/", "_")] = e
+    local = keras.optimizers.deserialize(optimizer)
+    local.build(trained)
+    listed = {e["path"] for e in variables}
+    extra = []
+    for v in local.variables:
+        if v.path in listed:
+            continue
+        of = next((e for k, e in kinds.items() if v.path.rpartition("/")[2].startswith(k)),
+                  None)
+        table = {"role": "table", "table": True, "rows": of["rows"]} if of and of.get(
+            "table") else {"role": "optimizer"}
+        extra.append(entry(v.path, v.shape, dtype=v.dtype, **table))
+        initial = {**initial, v.path: v.numpy()}
+    return [*variables, *extra], initial
 
 
 def sgd(learning_rate, **kwargs):
@@ -232,6 +280,129 @@ class StalenessTest(tf.test.TestCase):
         shard.serve()
         w3 = w2 - lr * (g0 + lam * g0 * g0 * (w2 - w1))
         self.assertAllClose(shard.value("d/w"), w3, rtol=1e-6)
+
+
+class GlobalStepTest(tf.test.TestCase):
+    """The global step (pushes' tags, staleness, stale-push dropping) is the updater's own
+    count of updates, not the optimizer's `iterations`, which a user's load rewinds."""
+
+    def rewound(self, policy):
+        """A shard after 3 updates of worker 0, then the chief's `load_weights` of an older
+        checkpoint (its `iterations` 0), then one more update."""
+        shard = Shard([entry("d/w", [1])], policy, {"d/w": np.zeros([1], np.float32)},
+                      optimizer=sgd(1.0))
+        for step in range(3):
+            shard.push(step, 0, [1.0])
+            shard.serve()
+        shard.optimizer_master("iteration").assign(0)  # what the chief's load writes
+        shard.push(3, 0, [1.0])
+        shard.serve()
+        return shard
+
+    def test_a_load_that_rewinds_iterations_leaves_the_global_step_monotone(self):
+        shard = self.rewound(SoftSyncPolicy(1, 2))
+        self.assertEqual(shard.progress_dict()["global_step"], 4)
+        self.assertEqual(int(shard.optimizer_master("iteration").numpy()), 1)  # Keras's count
+        # Soft sync: a push computed on the weights of step 1 is stale, dropped.
+        shard.push(1, 1, [5.0])
+        shard.serve()
+        self.assertAllClose(shard.value("d/w"), [-4.0])
+        self.assertEqual(shard.progress_dict()["dropped_gradients"], 1)
+        self.assertEqual([t for t, _, _ in shard.replies(0)], [1, 2, 3, 4])
+
+    def test_async_measures_staleness_against_the_monotone_step(self):
+        shard = self.rewound(AsyncPolicy("inverse"))
+        shard.push(2, 1, [4.0])  # computed at step 2, applied at 5: staleness 2, lr / 2
+        shard.serve()
+        self.assertAllClose(shard.value("d/w"), [-4.0 - 2.0])
+        progress = shard.progress_dict()
+        self.assertEqual((progress["global_step"], progress["staleness_max"]), (5, 2))
+
+
+class OptimizerMastersTest(tf.test.TestCase):
+
+    def test_an_optimizer_variable_without_a_master_refuses_the_run_naming_it(self):
+        # Two weights at one Keras path (`add_weight(name="w")` twice in a layer): a worker
+        # numbers the second `d/w#1`, and its slot `sgd/d_w_momentum#1`; rebuilt on the ps,
+        # the optimizer names that slot `sgd/d_w#1_momentum`, which no master is. It must not
+        # live on the ps alone, out of every checkpoint.
+        momentum = keras.optimizers.serialize(keras.optimizers.SGD(0.1, momentum=0.9))
+        name = momentum["config"]["name"]
+        variables = [entry("d/w", [2]), entry("d/w#1", [2]),
+                     entry(f"{name}/iteration", [], role="optimizer", dtype="int64"),
+                     entry(f"{name}/learning_rate", [], role="optimizer"),
+                     entry(f"{name}/d_w_momentum", [2], role="optimizer"),
+                     entry(f"{name}/d_w_momentum#1", [2], role="optimizer")]
+        initial = {e["path"]: np.zeros(e["shape"], e["dtype"]) for e in variables}
+        with self.assertRaisesRegex(
+                RunFailed, rf"(?s)/job:ps/task:0: .*{name}/d_w#1_momentum\b.* no master.*"
+                r"never in a checkpoint.*same Keras path.*'d/w'.*distinct names"):
+            Shard(variables, SoftSyncPolicy(1, 2), initial, optimizer=momentum,
+                  optimizer_masters=False)
+
+
+class ConsistentReadTest(tf.test.TestCase):
+    """A worker's whole-model read (`get_weights`, a checkpoint) while the updater applies
+    update after update: every variable of a shard from the same update."""
+
+    def test_get_weights_reads_each_shard_between_two_updates(self):
+        layers, reads = 4, 5
+        variables = [entry(f"model/dense{i}/{name}", shape) for i in range(layers)
+                     for name, shape in (("kernel", [3, 2]), ("bias", [2]))]
+        shard = Shard(variables, AsyncPolicy(), {e["path"]: np.zeros(e["shape"], np.float32)
+                                                 for e in variables}, optimizer=sgd(1.0))
+        # A worker's view of the run: its client's masters, a Keras model whose variables
+        # are mirrors bound to them (as `ParameterServerExtended` makes and binds them).
+        connection = types.SimpleNamespace(rank=1, ps_devices=[DEVICE],
+                                           ps_names=["/job:ps/task:0"], host_device=DEVICE)
+        client = ShardClient(connection, 0)
+        client.open_run(shard.run, shard.spec)
+
+        def mirror(next_creator, **kwargs):
+            del next_creator
+            path = _tf_compat.keras_variable_path(kwargs["name"])
+            variable = MirrorVariable.create(path, "gradient", **kwargs)
+            variable.bind(client.masters[path])
+            return variable
+
+        with tf.variable_creator_scope(mirror):
+            model = keras.Sequential([keras.Input([3])] + [
+                keras.layers.Dense(2 if i == 0 else 3, name=f"dense{i}")
+                for i in range(layers)], name="model")
+        self.assertEqual([v.path for v in model.weights], [e["path"] for e in variables])
+        model.get_weights()  # traced before the updates start
+        # Worker 0 pushes a gradient of 1 everywhere, again and again: after n updates each
+        # value is -n. The updater applies them while this thread reads the model.
+        size = sum(int(np.prod(e["shape"])) for e in variables)
+        reading = threading.Event()
+        reading.set()
+
+        def push():
+            while reading.is_set():
+                if int(tf.raw_ops.QueueSizeV2(handle=shard.queue)) < 20:
+                    shard.push(0, 0, np.ones([size], np.float32))
+                else:
+                    time.sleep(0.001)
+
+        threads = [threading.Thread(target=push, daemon=True),
+                   threading.Thread(target=shard.serve_until_stopped, daemon=True)]
+        for thread in threads:
+            thread.start()
+        seen = []
+        try:
+            deadline = time.monotonic() + 120
+            while len(set(seen)) < reads:  # the reads overlap the updates
+                self.assertLess(time.monotonic(), deadline, f"no updates: {seen}")
+                steps = sorted({int(round(-x)) for w in model.get_weights() for x in w.ravel()})
+                self.assertLen(steps, 1, f"one read saw the weights of updates {steps}")
+                seen.append(steps[0])
+        finally:
+            reading.clear()
+            threads[0].join(timeout=60)
+            shard.stop()
+            threads[1].join(timeout=60)
+        self.assertFalse(threads[1].is_alive(), "the updater did not stop")
+        self.assertEqual(seen, sorted(seen))
 
 
 class StateAndAveragingTest(tf.test.TestCase):

@@ -77,13 +77,26 @@ def import_module(task, module):
 def check_masters(task, optimizer, masters):
     """Every variable of an optimizer rebuilt on ps `task` must be one of its `masters`
     (its state on the ps, in the chief's checkpoints), found by the Keras path every worker
-    gave it."""
+    gave it: raises `RunFailed` naming those that are not, and why they may not be."""
     opened = {id(m) for m in masters.values()}
     local = [v.path for v in optimizer.variables if id(v.value) not in opened]
-    if local:
-        raise RunFailed(f"{task} found no master variable of {local} in "
-                        f"the run's spec (the workers name the variables of "
-                        f"{optimizer.name!r} otherwise)")
+    if not local:
+        return
+    # A worker numbers a second variable at a Keras path `path#1`, and its slots
+    # `{slot path}#1`; the optimizer rebuilt here names that slot by the numbered path.
+    own = f"{optimizer.name}/"
+    shared = sorted({path.partition("#")[0] for path in masters
+                     if "#" in path and not path.startswith(own)})
+    why = (f" The model has several variables at the same Keras path ({shared}; the workers "
+           "number the others `#1`, `#2`...), and an optimizer names its slots by that "
+           "path: give the layers or weights distinct names (a layer's `name=`, "
+           "`add_weight(name=...)`)" if shared else
+           f" The workers named the variables of {optimizer.name!r} otherwise: do the "
+           "workers and the ps tasks run the same Keras version?")
+    raise RunFailed(f"{task}: the variables {local} of the optimizer {optimizer.name!r}, "
+                    "rebuilt on this ps task, have no master in the run's spec: they would "
+                    "live on this ps task alone, never in a checkpoint, so the run is "
+                    f"refused.{why}")
 
 
 class ShardExtended(_tf_compat.OneDeviceExtended):

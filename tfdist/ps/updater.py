@@ -18,6 +18,7 @@ from tfdist import _tf_compat
 from tfdist import compression as compression_lib
 from tfdist.ps import protocol
 from tfdist.ps import shard_optimizer
+from tfdist.ps import snapshot
 from tfdist.ps import wire
 from tfdist.ps.averaged_rows import averaged_rows
 from tfdist.ps.policies import HISTOGRAM_BUCKETS
@@ -49,17 +50,20 @@ class ShardUpdateGraph:
       reply_queues: one reply queue per worker rank (`wire.REPLY_DTYPES`).
       progress: the run's progress vector (`protocol.num_stats` int64s).
       masters: `{path: variable}`, the shard's master variables, initialised.
+      update_lock: the run's update lock (`protocol.open_update_lock`), held while an update
+        is applied and recorded: a snapshot of the shard (a checkpoint) is taken between two.
       task: the ps task's name, for errors.
     """
 
     def __init__(self, spec, device, push_queue, reply_queues, progress, masters,
-                 task="the ps task"):
+                 update_lock, task="the ps task"):
         self.spec = spec
         self.device = device
         self.push_queue = push_queue
         self.reply_queues = reply_queues
         self.progress = progress
         self.masters = masters
+        self.update_lock = update_lock
         self.task = task
         self.num_workers = spec.num_workers
         self.policy = policy_from_spec(spec.policy)
@@ -108,6 +112,7 @@ class ShardUpdateGraph:
                 if excluded:
                     self.optimizer.exclude_from_weight_decay(var_list=excluded)
                 self.optimizer.build(trained)
+                shard_optimizer.check_masters(self.task, self.optimizer, self.masters)
                 if self.table_variables and self.spec.table_updates == "lazy":
                     try:
                         self.rowwise = RowwiseUpdate(self.optimizer, self.table_variables)
@@ -142,7 +147,8 @@ class ShardUpdateGraph:
         self.record_end = tf.function(self._record_end_fn)
 
     def start_from_optimizer_step(self):
-        """A run resumed from a checkpoint goes on from the restored optimizer step."""
+        """A run resumed from a checkpoint counts its global step on from the restored
+        optimizer step (from then on the two are apart: `_apply_gradients`)."""
         if self.optimizer is not None:
             with tf.device(self.device):
                 self.progress.scatter_nd_update(
@@ -374,7 +380,12 @@ class ShardUpdateGraph:
 
     def _apply_gradients(self, mean, state, updates):
         """The user's optimizer applied once to the mean gradient (delay-compensated for
-        the worker of the last push, its learning rate scaled by the update's staleness)."""
+        the worker of the last push, its learning rate scaled by the update's staleness).
+
+        Returns the new global step: the updater's own count, one more per update. The
+        optimizer's `iterations` is what Keras and the user see (a schedule's step, what a
+        checkpoint holds), and the chief's `load_weights` may set it back; the global step
+        tags pushes and measures their staleness, so it never goes back."""
         if self.weights_read is not None:
             mean = delay_compensated(
                 mean, protocol.ShardLayout.flatten([v.value for v in self.main_variables]),
@@ -400,7 +411,8 @@ class ShardUpdateGraph:
                     self.optimizer.iterations.assign_add(1)
         finally:
             extended.learning_rate_factor = None
-        return tf.cast(self.optimizer.iterations.value, tf.int64)
+        with tf.control_dependencies([self.optimizer.iterations.value]):
+            return self._step() + 1
 
     def _apply_table_rows(self, state, factor):
         """`(ops, [(dense gradient, table)])`: each table's mean gradient rows applied lazily
@@ -439,7 +451,13 @@ class ShardUpdateGraph:
         self._record_fn(step, state, updated=False)
 
     def _apply_and_release(self, state, live):
-        """One update: apply, record, and reply to the workers whose pushes it used."""
+        """One update: apply, record, and reply to the workers whose pushes it used, under
+        the update lock; returns the op that lets the lock go."""
+        _, released = snapshot.locked(self.update_lock,
+                                      lambda: self._apply_and_release_locked(state, live))
+        return released
+
+    def _apply_and_release_locked(self, state, live):
         step, rows = self._apply(state)
         if not self.policy.defers_release:
             with tf.control_dependencies([self._record_fn(step, state)]):
@@ -495,8 +513,8 @@ class ShardUpdateGraph:
             complete = tf.logical_and(tf.equal(event, 0), state["accepted"] >= required)
 
             def apply():
-                self._apply_and_release(state, live)
-                return self.empty_state()
+                with tf.control_dependencies([self._apply_and_release(state, live)]):
+                    return self.empty_state()
 
             state = tf.cond(complete, apply, lambda: state)
             return state, event, rank
