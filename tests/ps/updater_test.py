@@ -16,15 +16,20 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import compression as compression_lib
 from tfdist.ps import protocol
 from tfdist.ps import wire
 from tfdist.ps.client import ShardClient
 from tfdist.ps.policies import AsyncPolicy
 from tfdist.ps.policies import AveragingPolicy
 from tfdist.ps.policies import SoftSyncPolicy
+from tfdist.ps.push import GradientPush
+from tfdist.ps.push_codec import PushCodec
 from tfdist.ps.spec import ShardSpec
 from tfdist.ps.updater import ShardUpdateGraph
 from tfdist.ps.updater import shard_push_dtypes
+from tfdist.ps.variables import Part
+from tfdist.ps.worker import ParameterServerExtended
 
 DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"
 _runs = itertools.count()
@@ -34,17 +39,19 @@ class Shard:
     """A shard's run opened in this process: its graph, and a worker's view of its queues."""
 
     def __init__(self, variables, policy, initial, num_workers=2, optimizer=None,
-                 outer_optimizer=None, delta=False):
+                 outer_optimizer=None, delta=False, compressor=None):
         self.spec = ShardSpec(
             mode="averaging" if policy.averages_weights else "gradients",
             policy=policy.to_spec(), num_workers=num_workers,
             worker_tasks=[f"/job:worker/task:{r}" for r in range(num_workers)],
             worker_addresses=[f"localhost:{r}" for r in range(num_workers)], num_ps=1,
             shard=0, variables=variables, optimizer=optimizer,
-            outer_optimizer=outer_optimizer, delta=delta, init_timeout=10.0)
+            outer_optimizer=outer_optimizer, delta=delta, init_timeout=10.0,
+            compression=None if compressor is None else compression_lib.serialize(compressor))
         run = f"updater-test-{next(_runs)}"
         layout = protocol.ShardLayout(self.spec.variables)
-        self.push_dtypes = shard_push_dtypes(layout, None)
+        self.layout = layout
+        self.push_dtypes = shard_push_dtypes(layout, compressor)
         push_queue = protocol.open_push_queue(DEVICE, run, self.push_dtypes)
         self.reply_queues = [protocol.open_reply_queue(DEVICE, run, r)
                              for r in range(num_workers)]
@@ -120,10 +127,11 @@ class CollectAndApplyTest(tf.test.TestCase):
         want = w0 - 0.1 * g[:2].mean(axis=0)
         self.assertAllClose(shard.value("d/w"), want, rtol=1e-6)
         # The first two make update 1 and are answered with its weights; the third was
-        # computed at step 0 < 1: dropped, its worker sent the current weights at once.
+        # computed at step 0 < 1: dropped, its worker sent the current weights at once, and
+        # told so.
         for rank in range(3):
             (token, message, values), = shard.replies(rank)
-            self.assertEqual((token, message), (1, ""))
+            self.assertEqual((token, message), (1, protocol.DROPPED_MESSAGE if rank == 2 else ""))
             self.assertAllClose(values, want, rtol=1e-6)
         progress = shard.progress_dict()
         self.assertEqual({k: progress[k] for k in ("global_step", "updates",
@@ -487,13 +495,109 @@ class ClientPackTest(tf.test.TestCase):
         shard.serve(required=1)
         thread.join(timeout=60)
         self.assertFalse(thread.is_alive(), "no reply came back")
-        token, _, values = replies[0]
+        token, _, values, dropped = replies[0]
         self.assertEqual(int(token), 1)
+        self.assertFalse(bool(dropped))
         self.assertAllClose(values, [0.5, 2.5])   # the dense part: w - 0.5 * g
         want = table0.copy()
         want[5] -= 0.5 * np.array([4.0, 4.0])    # repeated row 5: summed
         want[3] -= 0.5 * np.array([2.0, 2.0])
         self.assertAllClose(shard.value("e/embeddings"), want)
+
+
+
+def worker_of(shard, rank, compressor=None):
+    """The exchange of a worker of rank `rank` with `shard` (a one-shard run opened in this
+    process): `(engine, weights, exchange)`; `exchange(gradient)` runs one step's
+    push-and-receive as `ParameterServerExtended._exchange` does (in a `tf.function`, in
+    a thread: `shard.serve` answers it), and returns once its reply has landed."""
+    connection = types.SimpleNamespace(rank=rank, num_workers=shard.spec.num_workers,
+                                       ps_devices=[DEVICE], ps_names=["/job:ps/task:0"],
+                                       host_device=DEVICE)
+    client = ShardClient(connection, 0)
+    client.num_workers, client.push_queue = shard.spec.num_workers, shard.queue
+    client.reply_queue = shard.reply_queues[rank]
+    weights = tf.Variable(shard.value(shard.layout.main[0].path))
+    # The engine's state that `_exchange` reads, without a cluster to join.
+    engine = ParameterServerExtended.__new__(ParameterServerExtended)
+    engine._connection = connection
+    engine._clients, engine._layouts = [client], [shard.layout]
+    engine._shards = [[Part(weights)]]
+    engine._tags = tf.Variable(tf.zeros([1], tf.int64))
+    engine._stats = tf.Variable(tf.zeros([protocol.num_stats(connection.num_workers)],
+                                         tf.int64))
+    engine._tables = types.SimpleNamespace(take_lookups=dict, pushed_rows=lambda *_: [])
+    engine._push = GradientPush()
+    engine._codec = (None if compressor is None
+                     else PushCodec(compressor, tf.distribute.get_strategy(), connection))
+
+    def exchange(gradient):
+        errors = []
+
+        @tf.function
+        def step():
+            engine._exchange(lambda part: tf.constant(gradient))
+
+        def run():
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001  (raised in the test's thread below)
+                errors.append(e)
+
+        thread = threading.Thread(daemon=True, target=run)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while int(tf.raw_ops.QueueSizeV2(handle=shard.queue)) == 0:
+            if errors:
+                raise errors[0]
+            assert thread.is_alive(), "the push ended before it was enqueued"
+            assert time.monotonic() < deadline, "the push never arrived"
+            time.sleep(0.01)
+        shard.serve(required=1)
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "no reply came back"
+        if errors:
+            raise errors[0]
+
+    return engine, weights, exchange
+
+
+class DroppedPushTest(tf.test.TestCase):
+    """A compressed push the ps drops as stale leaves the worker's codec state as it was
+    before that step: error feedback keeps what was computed but not applied of the pushes
+    the ps accepted, and nothing of a dropped one (`tfdist.ps.push_codec`)."""
+
+    def test_a_dropped_push_leaves_the_residual_as_before_and_no_stale_mass_returns(self):
+        lr, w0 = 1.0, np.zeros([4], np.float32)
+        compressor = compression_lib.get("topk", ratio=0.25)  # one element of four a push
+        shard = Shard([entry("d/w", [4])], SoftSyncPolicy(1, 2), {"d/w": w0},
+                      optimizer=sgd(lr), compressor=compressor)
+        engine, weights, exchange = worker_of(shard, 1, compressor)
+
+        def residual():
+            state, = engine._codec.states()
+            (variables,) = state.variables.values()
+            return variables["residual"].numpy()
+
+        g1 = np.array([4.0, 1.0, 2.0, 0.0], np.float32)
+        exchange(g1)   # accepted: update 1 applies [4, 0, 0, 0]
+        w1 = w0 - lr * np.array([4.0, 0.0, 0.0, 0.0])
+        self.assertAllClose(shard.value("d/w"), w1)
+        self.assertAllClose(residual(), [0.0, 1.0, 2.0, 0.0])
+        # Other workers' updates move the global step on: the next push, computed at step 1,
+        # is stale (soft sync accepts only pushes of the current step) and dropped.
+        shard.progress.scatter_nd_update([[protocol.STAT_STEP]], [5])
+        exchange(np.array([0.0, 0.0, 3.0, 9.0], np.float32))  # sends the 9, keeps the 3
+        self.assertEqual(shard.progress_dict()["dropped_gradients"], 1)
+        self.assertAllClose(shard.value("d/w"), w1)
+        self.assertAllClose(residual(), [0.0, 1.0, 2.0, 0.0])  # the 3 of the dropped push too
+        self.assertEqual(int(engine._tags[0]), 5)  # the worker took the current step
+        # The next push, fresh, sends the largest of its gradient plus the residual of g1
+        # only: nothing of the dropped push reaches the weights.
+        exchange(np.array([0.0, 0.5, 0.0, 0.0], np.float32))
+        self.assertAllClose(shard.value("d/w"), w1 - lr * np.array([0.0, 0.0, 2.0, 0.0]))
+        self.assertAllClose(residual(), [0.0, 1.5, 0.0, 0.0])
+        self.assertAllClose(weights.numpy(), shard.value("d/w"))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ LEAVE, DEAD, STOP, SYNC = -1, -2, -3, -4
 # The message of the reply to a SYNC: a worker that (re)joins waits for it, and discards
 # replies meant for an earlier process of its rank.
 SYNC_MESSAGE = "sync"
+# The message of the reply to a push the ps dropped as stale (its worker sent the current
+# weights at once): the worker keeps no codec state of that push (`tfdist.ps.push_codec`).
+DROPPED_MESSAGE = "dropped"
 
 # Layout of the progress vector (then one membership entry per worker rank).
 (STAT_STEP, STAT_UPDATES, STAT_DROPPED, STAT_AGGREGATED, STAT_STALENESS_SUM,

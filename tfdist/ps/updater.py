@@ -307,10 +307,11 @@ class ShardUpdateGraph:
                 usable, tf.one_hot(entry_rank, self.num_workers, on_value=True,
                                    off_value=False)))
             # A stale push is dropped and its worker sent the current weights at once
-            # (of a table averaged by rows, the rows it lacks: `_rows_since`).
+            # (of a table averaged by rows, the rows it lacks: `_rows_since`), told that
+            # its push was dropped.
             sent = tf.cond(stale, lambda: self._send(entry_rank, step, self._reply_values(
                 self._rows_since(tag, self._pushed_rows(payload)) if self.layout.rows
-                else None)), lambda: tf.constant(True))
+                else None), message=protocol.DROPPED_MESSAGE), lambda: tf.constant(True))
             with tf.control_dependencies([sent]):
                 new["total"] = tf.identity(new["total"])
             return new, tf.where(control, tf.cast(-tag, tf.int32), 0), entry_rank

@@ -374,10 +374,11 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             self._push.joined(copy_tables)
 
     def _assign_replies(self, replies):
-        """Writes every shard's reply `(token, stats, values)` into the mirrors (the parts of
-        a split variable joined), the tags and the telemetry; returns the updates."""
+        """Writes every shard's reply (`client.Reply`) into the mirrors (the parts of a split
+        variable joined), the tags and the telemetry; returns the updates."""
         updates, split = [], {}
-        for shard, (_, _, values) in enumerate(replies):
+        for shard, reply in enumerate(replies):
+            values = reply.values
             main, rest = self._layouts[shard].split_reply(values)
             for part, value in zip(self._shards[shard], main + rest):
                 if part.rows is None:
@@ -390,9 +391,9 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             parts.sort(key=lambda p: p[0])
             updates.append(variable.assign(tf.concat([v for _, v in parts], axis=0),
                                            read_value=False))
-        updates.append(self._tags.assign(tf.stack([token for token, _, _ in replies]),
+        updates.append(self._tags.assign(tf.stack([reply.token for reply in replies]),
                                          read_value=False))
-        updates.append(self._stats.assign(replies[0][1], read_value=False))
+        updates.append(self._stats.assign(replies[0].stats, read_value=False))
         return updates
 
     # The exchange ----------------------------------------------------------------------
@@ -416,17 +417,19 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                 [p.take(p.variable.read_value()) for p in parts[len(layout.main):]])
             tag = tags[shard]
             pushed_values.append(values)
-            payload, state_updates = (main, *[c for pair in rows for c in pair]), []
+            payload, keep_state = (main, *[c for pair in rows for c in pair]), None
             if self._codec is not None:
-                payload, state_updates = self._codec.compress(layout, shard, main, tag,
-                                                              self._push.optimizer)
+                payload, keep_state = self._codec.compress(layout, shard, main, tag,
+                                                           self._push.optimizer)
                 sent.append(payload)
             # The rows of each table's gradient on this ps task (never compressed).
             payload = (*payload, *self._tables.pushed_rows(shard, layout, main_tensor, lookups),
                        *self._push.pushed_rows(shard))
             # Shards do not wait for each other: their round trips overlap.
-            with tf.control_dependencies(state_updates):
-                replies.append(client.push_and_receive(tag, payload, values))
+            replies.append(client.push_and_receive(tag, payload, values))
+            if keep_state is not None:
+                # The codec state of a push the ps dropped stays as it was (`push_codec`).
+                updates += keep_state(replies[-1].dropped)
         updates += self._assign_replies(replies)
         if sent:
             updates += self._codec.measure(self._layouts, sent, pushed_values, replies)
