@@ -28,7 +28,9 @@ from tfdist.ps.push_codec import PushCodec
 from tfdist.ps.spec import ShardSpec
 from tfdist.ps.updater import ShardUpdateGraph
 from tfdist.ps.updater import shard_push_dtypes
+from tfdist.ps.variables import MirrorVariable
 from tfdist.ps.variables import Part
+from tfdist.ps.variables import replica_step
 from tfdist.ps.worker import ParameterServerExtended
 
 DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"
@@ -249,9 +251,11 @@ class StateAndAveragingTest(tf.test.TestCase):
         shard = Shard([entry("d/w", [1]), entry("bn/moving_mean", [3], role="value")],
                       SoftSyncPolicy(2, 2), {"d/w": w0, "bn/moving_mean": mean0},
                       optimizer=sgd(1.0))
+        # Each worker read mean0 and pushes its statistics' change since: the mean of
+        # their statistics (as the worker computes the change, in float32).
         v0, v1 = np.array([1.0, 2.0, 3.0]), np.array([3.0, 0.0, 1.0])
-        shard.push(0, 0, [1.0], v0)
-        shard.push(0, 1, [3.0], v1)
+        shard.push(0, 0, [1.0], np.float32(v0) - mean0)
+        shard.push(0, 1, [3.0], np.float32(v1) - mean0)
         shard.serve(required=2)
         self.assertAllClose(shard.value("d/w"), [-1.0])
         self.assertAllClose(shard.value("bn/moving_mean"), (v0 + v1) / 2, rtol=1e-6)
@@ -260,8 +264,9 @@ class StateAndAveragingTest(tf.test.TestCase):
         self.assertAllClose(values, [-1.0, 2.0, 1.0, 2.0])
         held = shard.value("bn/moving_mean")
         for _ in range(3):
-            for rank in range(2):
-                shard.push(int(shard.progress_dict()["global_step"]), rank, [0.0], held)
+            for rank in range(2):  # frozen: no change
+                shard.push(int(shard.progress_dict()["global_step"]), rank, [0.0],
+                           np.zeros([3], np.float32))
             shard.serve(required=2)
         self.assertAllEqual(shard.value("bn/moving_mean"), held)
 
@@ -508,21 +513,26 @@ class ClientPackTest(tf.test.TestCase):
 
 def worker_of(shard, rank, compressor=None):
     """The exchange of a worker of rank `rank` with `shard` (a one-shard run opened in this
-    process): `(engine, weights, exchange)`; `exchange(gradient)` runs one step's
-    push-and-receive as `ParameterServerExtended._exchange` does (in a `tf.function`, in
-    a thread: `shard.serve` answers it), and returns once its reply has landed."""
+    process): `(engine, mirrors, exchange)`; `mirrors` are the worker's `{path: mirror}`,
+    bound to the shard's masters; `exchange(gradient)` runs one step's push-and-receive as
+    `ParameterServerExtended._exchange` does (in a `tf.function`, in a thread: `shard.serve`
+    answers it), and returns once its reply has landed."""
     connection = types.SimpleNamespace(rank=rank, num_workers=shard.spec.num_workers,
                                        ps_devices=[DEVICE], ps_names=["/job:ps/task:0"],
                                        host_device=DEVICE)
     client = ShardClient(connection, 0)
     client.num_workers, client.push_queue = shard.spec.num_workers, shard.queue
     client.reply_queue = shard.reply_queues[rank]
-    weights = tf.Variable(shard.value(shard.layout.main[0].path))
+    mirrors = {}
+    for e in shard.layout.main + shard.layout.values:
+        mirrors[e.path] = MirrorVariable.create(e.path, e.role,
+                                                initial_value=shard.value(e.path))
+        mirrors[e.path].bind(shard.masters[e.path])
     # The engine's state that `_exchange` reads, without a cluster to join.
     engine = ParameterServerExtended.__new__(ParameterServerExtended)
     engine._connection = connection
     engine._clients, engine._layouts = [client], [shard.layout]
-    engine._shards = [[Part(weights)]]
+    engine._shards = [[Part(mirror) for mirror in mirrors.values()]]
     engine._tags = tf.Variable(tf.zeros([1], tf.int64))
     engine._stats = tf.Variable(tf.zeros([protocol.num_stats(connection.num_workers)],
                                          tf.int64))
@@ -559,7 +569,13 @@ def worker_of(shard, rank, compressor=None):
         if errors:
             raise errors[0]
 
-    return engine, weights, exchange
+    return engine, mirrors, exchange
+
+
+def local_value(mirror):
+    """A mirror's own value (outside a step a bound mirror reads its master)."""
+    with replica_step():
+        return mirror.numpy()
 
 
 class DroppedPushTest(tf.test.TestCase):
@@ -572,7 +588,7 @@ class DroppedPushTest(tf.test.TestCase):
         compressor = compression_lib.get("topk", ratio=0.25)  # one element of four a push
         shard = Shard([entry("d/w", [4])], SoftSyncPolicy(1, 2), {"d/w": w0},
                       optimizer=sgd(lr), compressor=compressor)
-        engine, weights, exchange = worker_of(shard, 1, compressor)
+        engine, mirrors, exchange = worker_of(shard, 1, compressor)
 
         def residual():
             state, = engine._codec.states()
@@ -597,7 +613,50 @@ class DroppedPushTest(tf.test.TestCase):
         exchange(np.array([0.0, 0.5, 0.0, 0.0], np.float32))
         self.assertAllClose(shard.value("d/w"), w1 - lr * np.array([0.0, 0.0, 2.0, 0.0]))
         self.assertAllClose(residual(), [0.0, 1.5, 0.0, 0.0])
-        self.assertAllClose(weights.numpy(), shard.value("d/w"))
+        self.assertAllClose(local_value(mirrors["d/w"]), shard.value("d/w"))
+
+
+
+class PushedStateTest(tf.test.TestCase):
+    """Non-trainable state (BatchNorm's moving statistics) travels as the change a worker's
+    steps made to it since the worker last took the master's value: concurrent workers'
+    changes add up instead of the last push overwriting the others'."""
+
+    def test_async_workers_statistics_combine_instead_of_overwriting(self):
+        m0 = np.array([1.0, -1.0], np.float32)
+        shard = Shard([entry("d/w", [1]), entry("bn/moving_mean", [2], role="value")],
+                      AsyncPolicy(), {"d/w": np.zeros([1], np.float32), "bn/moving_mean": m0},
+                      optimizer=sgd(1.0))
+        (_, mirrors0, exchange0), (_, mirrors1, exchange1) = [worker_of(shard, rank)
+                                                              for rank in range(2)]
+        # Both workers read m0; each step moves the statistics its own way (BatchNorm's
+        # moving average of its batches).
+        a, b = np.array([1.5, -1.0], np.float32), np.array([1.0, 0.0], np.float32)
+        with replica_step():
+            mirrors0["bn/moving_mean"].assign(a)
+            mirrors1["bn/moving_mean"].assign(b)
+        exchange0([1.0])
+        self.assertAllClose(shard.value("bn/moving_mean"), a)
+        exchange1([1.0])  # computed on m0, one update ago: its change counts all the same
+        want = m0 + (a - m0) + (b - m0)
+        self.assertAllClose(shard.value("bn/moving_mean"), want)
+        self.assertAllClose(local_value(mirrors1["bn/moving_mean"]), want)
+        self.assertAllClose(shard.value("d/w"), [-2.0])
+        # Worker 0 last read `a` (its reply): its next change is counted from there.
+        c = a + np.array([0.0, 0.25], np.float32)
+        with replica_step():
+            mirrors0["bn/moving_mean"].assign(c)
+        exchange0([0.0])
+        self.assertAllClose(shard.value("bn/moving_mean"), want + (c - a))
+        self.assertAllClose(local_value(mirrors0["bn/moving_mean"]), want + (c - a))
+        # The chief's eager write (a restore, `set_weights`) is where its next change starts.
+        written = np.array([5.0, 5.0], np.float32)
+        mirrors0["bn/moving_mean"].assign(written)
+        self.assertAllClose(shard.value("bn/moving_mean"), written)
+        with replica_step():
+            mirrors0["bn/moving_mean"].assign(written + 1.0)
+        exchange0([0.0])
+        self.assertAllClose(shard.value("bn/moving_mean"), written + 1.0)
 
 
 if __name__ == "__main__":

@@ -121,8 +121,9 @@ class ShardLayout:
     """How one shard's pushed variables are flattened into float32 vectors, and back.
 
     `main` are the variables whose part of a push goes through the compressor (gradients, or
-    the averaged model); `values` the non-trainable state pushed as it is. A reply carries
-    the values of `main + values`, in that order.
+    the averaged model); `values` the non-trainable state, pushed uncompressed as the change
+    since the worker last read it. A reply carries the values of `main + values`, in that
+    order.
 
     Args:
       entries: the shard's `VariableEntry`s (or their JSON dicts).

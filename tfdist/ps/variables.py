@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tfdist import _tf_compat
 from tfdist.ps.spec import ROWS
+from tfdist.ps.spec import VALUE
 
 _state = threading.local()
 
@@ -119,6 +120,9 @@ class MirrorVariable(_tf_compat.ResourceVariable):
     _tfdist_masters = ()    # (master, rows) per part, in row order; rows None: whole
     _tfdist_copies = ()
     _tfdist_writable = True
+    # Non-trainable state (VALUE): the value this mirror last took from its masters, which
+    # its worker's pushes count their change from (`change_since_read`).
+    _tfdist_last_read = None
     # The worker's own steps read this copy (a learning rate under model averaging): when it
     # follows, outside a step it stands for this copy, until the master's value is taken
     # again.
@@ -148,6 +152,12 @@ class MirrorVariable(_tf_compat.ResourceVariable):
             is a copy (the optimizer's step counter and learning rate, one per ps task):
             reads take the first, writes go to all.
         """
+        if self._tfdist_role == VALUE and self._tfdist_last_read is None:
+            with tf.init_scope(), tf.device(self.device):
+                # (A plain variable: the class made directly, past the strategy's creator.)
+                self._tfdist_last_read = _tf_compat.ResourceVariable(
+                    super()._read_variable_op(), trainable=False,
+                    name=self._shared_name + "_last_read")
         if rows is None and self._tfdist_masters:
             self._tfdist_copies = (*self._tfdist_copies, master)
         else:
@@ -157,6 +167,23 @@ class MirrorVariable(_tf_compat.ResourceVariable):
     def follow(self):
         """Outside a step, writes are ignored: another task (the chief) sets this variable."""
         self._tfdist_writable = False
+
+    def assign_read(self, value):
+        """Writes `value`, read from the masters (a reply, a pull), into this mirror;
+        returns the updates."""
+        updates = [super().assign(value, read_value=False)]
+        if self._tfdist_last_read is not None:
+            updates.append(self._tfdist_last_read.assign(value, read_value=False))
+        return updates
+
+    def change_since_read(self):
+        """Non-trainable state: what this worker's steps changed in it since it last took
+        the masters' value (float32), the push's `values` (the ps adds the mean change of
+        an update's pushes: concurrent workers' statistics combine, none overwrites the
+        others')."""
+        local = super()._read_variable_op()
+        return (tf.cast(local, tf.float32)
+                - tf.cast(self._tfdist_last_read.read_value(), tf.float32))
 
     def master_value(self):
         """The value of the master copy (its parts joined)."""
@@ -169,7 +196,7 @@ class MirrorVariable(_tf_compat.ResourceVariable):
         value = self.master_value()
         for copy in self._tfdist_copies:
             copy.assign(value, read_value=False)
-        super().assign(value, read_value=False)
+        self.assign_read(value)
         return self
 
     def _read_variable_op(self, no_copy=False):

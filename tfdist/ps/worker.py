@@ -382,15 +382,14 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             main, rest = self._layouts[shard].split_reply(values)
             for part, value in zip(self._shards[shard], main + rest):
                 if part.rows is None:
-                    updates.append(part.variable.assign(value, read_value=False))
+                    updates += part.variable.assign_read(value)
                 else:
                     split.setdefault(id(part.variable), (part.variable, []))[1].append(
                         (part.rows, value))
             updates += self._push.on_reply(shard, values)
         for variable, parts in split.values():
             parts.sort(key=lambda p: p[0])
-            updates.append(variable.assign(tf.concat([v for _, v in parts], axis=0),
-                                           read_value=False))
+            updates += variable.assign_read(tf.concat([v for _, v in parts], axis=0))
         updates.append(self._tags.assign(tf.stack([reply.token for reply in replies]),
                                          read_value=False))
         updates.append(self._stats.assign(replies[0].stats, read_value=False))
@@ -413,8 +412,10 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                 [t for t, e in zip(tensors, layout.main) if not e.sparse])
             rows = [wire.sparse_rows(t, e)
                     for t, e in zip(tensors, layout.main) if e.sparse]
+            # Non-trainable state travels as the change this worker's steps made to it since
+            # it last took the masters' (the ps adds the mean change).
             values = protocol.ShardLayout.flatten(
-                [p.take(p.variable.read_value()) for p in parts[len(layout.main):]])
+                [p.take(p.variable.change_since_read()) for p in parts[len(layout.main):]])
             tag = tags[shard]
             pushed_values.append(values)
             payload, keep_state = (main, *[c for pair in rows for c in pair]), None
@@ -517,7 +518,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             # whole.
             variables = {id(p.variable): p.variable for parts in self._shards for p in parts}
             for variable in variables.values():
-                variable.assign(variable.master_value(), read_value=False)
+                variable.assign_read(variable.master_value())
             self._push.joined(copy_tables=True)
             self._stats.assign(self._clients[0].progress.read_value(), read_value=False)
 

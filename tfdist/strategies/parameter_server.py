@@ -6,7 +6,8 @@ ps tasks by size; each ps task runs the updater of its own shard, applying the u
 optimizer, rebuilt there from its config.
 
 A training step of a worker is one push-and-receive per ps task: it pushes its gradients for
-the shard (with the non-trainable state, BatchNorm statistics), tagged with the global step
+the shard (with the change its steps made to the non-trainable state, BatchNorm statistics,
+since it last read it), tagged with the global step
 of the weights it computed them on, and takes the reply: the shard's weights after the update
 its push joined, the new global step and the telemetry. Model averaging
 (`tfdist.strategies.model_averaging`) pushes the model every `period` steps instead, on the
