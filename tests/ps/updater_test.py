@@ -519,18 +519,23 @@ def worker_of(shard, rank, compressor=None):
     answers it), and returns once its reply has landed."""
     connection = types.SimpleNamespace(rank=rank, num_workers=shard.spec.num_workers,
                                        ps_devices=[DEVICE], ps_names=["/job:ps/task:0"],
-                                       host_device=DEVICE)
+                                       host_device=DEVICE, is_chief=rank == 0,
+                                       task_name=f"/job:worker/task:{rank}")
     client = ShardClient(connection, 0)
     client.num_workers, client.push_queue = shard.spec.num_workers, shard.queue
-    client.reply_queue = shard.reply_queues[rank]
+    client.push_dtypes = shard.push_dtypes
+    client.reply_queue, client.progress = shard.reply_queues[rank], shard.progress
+    # The engine's state that `_exchange` and `leave` read, without a cluster to join.
+    engine = ParameterServerExtended.__new__(ParameterServerExtended)
+    engine._connection = connection
+    engine._steps_trained = tf.Variable(0, dtype=tf.int64)
+    engine._chief_writes = {}
     mirrors = {}
     for e in shard.layout.main + shard.layout.values:
         mirrors[e.path] = MirrorVariable.create(e.path, e.role,
                                                 initial_value=shard.value(e.path))
         mirrors[e.path].bind(shard.masters[e.path])
-    # The engine's state that `_exchange` reads, without a cluster to join.
-    engine = ParameterServerExtended.__new__(ParameterServerExtended)
-    engine._connection = connection
+        engine._after_bind(mirrors[e.path])
     engine._clients, engine._layouts = [client], [shard.layout]
     engine._shards = [[Part(mirror) for mirror in mirrors.values()]]
     engine._tags = tf.Variable(tf.zeros([1], tf.int64))
@@ -538,6 +543,7 @@ def worker_of(shard, rank, compressor=None):
                                          tf.int64))
     engine._tables = types.SimpleNamespace(take_lookups=dict, pushed_rows=lambda *_: [])
     engine._push = GradientPush()
+    engine._left, engine._watchdog = False, None
     engine._codec = (None if compressor is None
                      else PushCodec(compressor, tf.distribute.get_strategy(), connection))
 
@@ -545,8 +551,9 @@ def worker_of(shard, rank, compressor=None):
         errors = []
 
         @tf.function
-        def step():
+        def step():  # as a train step does (`_call_for_each_replica`)
             engine._exchange(lambda part: tf.constant(gradient))
+            engine._count_trained_step()
 
         def run():
             try:
@@ -657,6 +664,41 @@ class PushedStateTest(tf.test.TestCase):
             mirrors0["bn/moving_mean"].assign(written + 1.0)
         exchange0([0.0])
         self.assertAllClose(shard.value("bn/moving_mean"), written + 1.0)
+
+
+
+class ChiefWritesTest(tf.test.TestCase):
+    """What the chief writes after its last train step (EarlyStopping's
+    `restore_best_weights` at the end of `fit`) is what `join()` leaves in the masters and its
+    model, though other workers trained on after it."""
+
+    def test_the_chiefs_restore_after_its_last_step_survives_join(self):
+        w0 = np.array([1.0, 2.0], np.float32)
+        shard = Shard([entry("d/w", [2]), entry("bn/moving_mean", [2], role="value")],
+                      AsyncPolicy(), {"d/w": w0, "bn/moving_mean": np.zeros([2], np.float32)},
+                      optimizer=sgd(1.0))
+        (chief, chiefs, chief_step), (_, workers, worker_step) = [worker_of(shard, rank)
+                                                                  for rank in range(2)]
+        # A write followed by a step of the chief is training, not its last word.
+        chiefs["bn/moving_mean"].assign([9.0, 9.0])
+        chief_step([0.5, 0.5])
+        best = shard.value("d/w").copy()
+        chief_step([1.0, 0.0])
+        # The end of the chief's fit: EarlyStopping restores the best weights (eagerly,
+        # through the mirrors, to the masters); worker 1 trains on over them.
+        chiefs["d/w"].assign(best)
+        with replica_step():  # worker 1's step moves its statistics by one
+            workers["bn/moving_mean"].assign([1.0, 1.0])
+        worker_step([0.0, 2.0])
+        self.assertAllClose(shard.value("d/w"), best - [0.0, 2.0])
+        # Worker 1 leaves; the chief's join() waits for that, then takes the masters.
+        shard.progress.scatter_nd_update([[protocol.STAT_MEMBERS + 1]], [protocol.LEFT])
+        chief.leave(wait=True, timeout=60)
+        self.assertAllClose(shard.value("d/w"), best)
+        self.assertAllClose(local_value(chiefs["d/w"]), best)
+        # Worker 1's change of the statistics stays: the chief wrote them before a step.
+        self.assertAllClose(shard.value("bn/moving_mean"), [10.0, 10.0])
+        self.assertAllClose(local_value(chiefs["bn/moving_mean"]), [10.0, 10.0])
 
 
 if __name__ == "__main__":

@@ -123,6 +123,7 @@ class MirrorVariable(_tf_compat.ResourceVariable):
     # Non-trainable state (VALUE): the value this mirror last took from its masters, which
     # its worker's pushes count their change from (`change_since_read`).
     _tfdist_last_read = None
+    _tfdist_on_write = None   # called after each write that reaches the masters
     # The worker's own steps read this copy (a learning rate under model averaging): when it
     # follows, outside a step it stands for this copy, until the master's value is taken
     # again.
@@ -167,6 +168,17 @@ class MirrorVariable(_tf_compat.ResourceVariable):
     def follow(self):
         """Outside a step, writes are ignored: another task (the chief) sets this variable."""
         self._tfdist_writable = False
+
+    def on_write(self, callback):
+        """Outside a step, after each write that reaches the masters: `callback(self)`."""
+        self._tfdist_on_write = callback
+
+    def _written(self):
+        _warn_rows_write(self)
+        self._refresh()
+        if self._tfdist_on_write is not None:
+            self._tfdist_on_write(self)
+        return self
 
     def assign_read(self, value):
         """Writes `value`, read from the masters (a reply, a pull), into this mirror;
@@ -215,8 +227,7 @@ class MirrorVariable(_tf_compat.ResourceVariable):
             # Each part's own op on its ps task: an add there is atomic against the updater.
             getattr(master, method)(value if rows is None else value[rows[0]:rows[1]],
                                     read_value=False)
-        _warn_rows_write(self)
-        return self._refresh()
+        return self._written()
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         return self._write("assign", value, use_locking=use_locking, name=name,
@@ -238,8 +249,7 @@ class MirrorVariable(_tf_compat.ResourceVariable):
         for master, rows in self._tfdist_masters:
             delta = sparse_delta if rows is None else _rows_of(sparse_delta, rows)
             getattr(master, method)(delta, use_locking=use_locking, name=name)
-        _warn_rows_write(self)
-        return self._refresh()
+        return self._written()
 
     def scatter_update(self, sparse_delta, use_locking=False, name=None):
         return self._scatter("scatter_update", sparse_delta, use_locking, name)

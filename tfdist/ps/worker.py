@@ -117,6 +117,11 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                                      name="tfdist_tags")
             self._stats = tf.Variable(tf.zeros([protocol.num_stats(connection.num_workers)],
                                                tf.int64), trainable=False, name="tfdist_stats")
+            # The train steps this worker took: the chief's writes after its last one are
+            # its last word on the weights (`_keep_chief_writes`).
+            self._steps_trained = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                              name="tfdist_steps_trained")
+        self._chief_writes = {}  # id(mirror) -> (mirror, steps trained when last written)
         # Embedding tables: on the ps tasks only (`tfdist.ps.tables`); lookups, and their
         # optimizer slots.
         self._tables = TableSet(tables if tables is not None else TableRule(None),
@@ -200,6 +205,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                 result = super()._call_for_each_replica(fn, args, kwargs)
                 if step.trained and previous is None:
                     self._push.after_step()
+                    self._count_trained_step()
         finally:
             self._tls.step = previous
         if previous is None and not tf.executing_eagerly():
@@ -291,12 +297,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                             master.assign(Part(variable, rows).take(initial[path]),
                                           read_value=False)
                         variable.bind(master, rows)
-                        if not self._connection.is_chief:
-                            # Every worker runs the user's callbacks; only the chief's eager
-                            # writes reach the masters (a learning rate halved once, not
-                            # once per worker; one worker's best weights restored, not
-                            # each one's).
-                            variable.follow()
+                        self._after_bind(variable)
             self._tables.joined(any(a["initialize"] for a in answers))
             self._clients = clients
             self._layouts = [protocol.ShardLayout(e) for e in entries]
@@ -305,6 +306,22 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                           else [tf.float32])
                 client.open_push_queue(dtypes, layout.num_row_pairs)
             self._pull(copy_tables=not any(a["initialize"] for a in answers))
+
+    def _after_bind(self, variable):
+        """Every worker runs the user's callbacks; only the chief's eager writes reach the
+        masters (a learning rate halved once, not once per worker; one worker's best weights
+        restored, not each one's), and it remembers them (`_keep_chief_writes`)."""
+        if self._connection.is_chief:
+            variable.on_write(self._chief_wrote)
+        else:
+            variable.follow()
+
+    def _chief_wrote(self, variable):
+        self._chief_writes[id(variable)] = (variable, int(self._steps_trained.numpy()))
+
+    def _count_trained_step(self):
+        """In a step that trained (in-graph)."""
+        return self._steps_trained.assign_add(1, read_value=False)
 
     def _plan(self, fields):
         """`{path: [(ps_index, rows)]}`: where each mirror's master parts live."""
@@ -478,6 +495,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             # this one. Once the others are gone nothing changes the masters: read them.
             self._send_leave()
             self._wait_for_others(timeout)
+            self._keep_chief_writes()
             self._take_masters()
         except (tf.errors.OpError, RunError) as e:
             gone = self._connection.unreachable_ps()
@@ -511,6 +529,25 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                 client.send_control(protocol.LEAVE)
             except tf.errors.OpError:
                 pass  # the run has ended (its queues are closed)
+
+    def _keep_chief_writes(self):
+        """Writes again, over the masters, what the chief wrote after its last train step
+        (EarlyStopping's `restore_best_weights` at the end of `fit`, a `load_weights` before
+        `join()`): the other workers trained on over it, and the weights `join()` leaves
+        (and the chief then saves) are its choice. Its copies still hold what it wrote: no
+        reply came after. A write followed by a step was training, and is not kept."""
+        steps = int(self._steps_trained.numpy())
+        kept = [v for v, at in self._chief_writes.values() if at == steps]
+        if not kept:
+            return
+        with tf.init_scope():
+            with replica_step():
+                values = [v.read_value() for v in kept]  # the chief's own copies
+            for variable, value in zip(kept, values):
+                variable.assign(value, read_value=False)  # outside a step: the masters
+        log.info("tfdist: %s wrote %s after its last train step: kept over the other "
+                 "workers' later updates", self._connection.task_name,
+                 [v._tfdist_path for v in kept])
 
     def _take_masters(self):
         with tf.init_scope(), replica_step():

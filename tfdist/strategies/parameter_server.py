@@ -65,7 +65,10 @@ class ParameterServerStrategyBase(WorkerTasksMixin, tf.distribute.Strategy):
         On the chief, first waits until every other worker has left or died (at most
         `timeout` seconds, None: as long as they are alive), so that the weights are final.
         A worker whose server has not answered the ps tasks for `stall_timeout` (a stopped
-        process, a hung machine) is dead: `join()` does not wait for it.
+        process, a hung machine) is dead: `join()` does not wait for it. What the chief
+        wrote to the model after its last train step (`EarlyStopping(restore_best_weights=
+        True)` at the end of its `fit`, a `load_weights` before `join()`) is then written
+        again over the other workers' later updates: the model ends on the chief's choice.
         """
         self.extended.leave(wait=self.is_chief, timeout=timeout)
 
