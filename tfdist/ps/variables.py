@@ -173,9 +173,9 @@ class MirrorVariable(_tf_compat.ResourceVariable):
         """Outside a step, after each write that reaches the masters: `callback(self)`."""
         self._tfdist_on_write = callback
 
-    def _written(self):
+    def _written(self, value=None):
         _warn_rows_write(self)
-        self._refresh()
+        self._refresh(value)
         if self._tfdist_on_write is not None:
             self._tfdist_on_write(self)
         return self
@@ -203,9 +203,12 @@ class MirrorVariable(_tf_compat.ResourceVariable):
             return self._tfdist_masters[0][0].read_value()
         return tf.concat([master.read_value() for master, _ in self._tfdist_masters], axis=0)
 
-    def _refresh(self):
-        """After a write to the masters: the copies and this variable take their value."""
-        value = self.master_value()
+    def _refresh(self, value=None):
+        """After a write to the masters: the copies and this variable take their value
+        (`value`: the value written, not read back, which another worker's update may have
+        changed since)."""
+        if value is None:
+            value = self.master_value()
         for copy in self._tfdist_copies:
             copy.assign(value, read_value=False)
         self.assign_read(value)
@@ -227,7 +230,7 @@ class MirrorVariable(_tf_compat.ResourceVariable):
             # Each part's own op on its ps task: an add there is atomic against the updater.
             getattr(master, method)(value if rows is None else value[rows[0]:rows[1]],
                                     read_value=False)
-        return self._written()
+        return self._written(value if method == "assign" else None)
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         return self._write("assign", value, use_locking=use_locking, name=name,
