@@ -547,36 +547,57 @@ def worker_of(shard, rank, compressor=None):
     engine._codec = (None if compressor is None
                      else PushCodec(compressor, tf.distribute.get_strategy(), connection))
 
-    def exchange(gradient):
-        errors = []
-
+    def exchange(gradient, serve=True):
         @tf.function
         def step():  # as a train step does (`_call_for_each_replica`)
             engine._exchange(lambda part: tf.constant(gradient))
             engine._count_trained_step()
 
-        def run():
-            try:
-                step()
-            except Exception as e:  # noqa: BLE001  (raised in the test's thread below)
-                errors.append(e)
-
-        thread = threading.Thread(daemon=True, target=run)
-        thread.start()
-        deadline = time.monotonic() + 60
-        while int(tf.raw_ops.QueueSizeV2(handle=shard.queue)) == 0:
-            if errors:
-                raise errors[0]
-            assert thread.is_alive(), "the push ended before it was enqueued"
-            assert time.monotonic() < deadline, "the push never arrived"
-            time.sleep(0.01)
-        shard.serve(required=1)
-        thread.join(timeout=60)
-        assert not thread.is_alive(), "no reply came back"
-        if errors:
-            raise errors[0]
+        started = StartedStep(step)
+        if serve:
+            serve_steps(shard, [started], required=1)
+        return started
 
     return engine, mirrors, exchange
+
+
+class StartedStep:
+    """`step()` running in a thread (its push waits for its reply)."""
+
+    def __init__(self, step):
+        self.errors = []
+        self.thread = threading.Thread(daemon=True, target=self._run, args=(step,))
+        self.thread.start()
+
+    def _run(self, step):
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001  (raised in the test's thread: `check`)
+            self.errors.append(e)
+
+    def check(self):
+        if self.errors:
+            raise self.errors[0]
+
+    def finish(self):
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "no reply came back"
+        self.check()
+
+
+def serve_steps(shard, started, required):
+    """Waits until the pushes of the `started` steps are in `shard`'s queue, serves them
+    (`required` pushes an update), and waits for their replies."""
+    deadline = time.monotonic() + 60
+    while int(tf.raw_ops.QueueSizeV2(handle=shard.queue)) < len(started):
+        for step in started:
+            step.check()
+            assert step.thread.is_alive(), "a step ended before its push was enqueued"
+        assert time.monotonic() < deadline, "the pushes never arrived"
+        time.sleep(0.01)
+    shard.serve(required=required)
+    for step in started:
+        step.finish()
 
 
 def local_value(mirror):
@@ -664,6 +685,27 @@ class PushedStateTest(tf.test.TestCase):
             mirrors0["bn/moving_mean"].assign(written + 1.0)
         exchange0([0.0])
         self.assertAllClose(shard.value("bn/moving_mean"), written + 1.0)
+
+    def test_sync_workers_statistics_take_the_mean_of_the_pushed_values(self):
+        m0 = np.array([0.1, 0.7, -0.3], np.float32)
+        shard = Shard([entry("d/w", [1]), entry("bn/moving_mean", [3], role="value")],
+                      SoftSyncPolicy(2, 2), {"d/w": np.zeros([1], np.float32),
+                                             "bn/moving_mean": m0}, optimizer=sgd(1.0))
+        workers = [worker_of(shard, rank) for rank in range(2)]
+        pushed = [np.array([0.3, 0.11, 1e-3], np.float32), np.array([7.0, -0.2, 0.9],
+                                                                    np.float32)]
+        for (_, mirrors, _), value in zip(workers, pushed):
+            with replica_step():
+                mirrors["bn/moving_mean"].assign(value)
+        serve_steps(shard, [exchange([1.0], serve=False) for _, _, exchange in workers],
+                    required=2)
+        # Both read m0: the master plus the mean change is their mean (to float32 rounding:
+        # the ps sums the changes the workers computed, in float32).
+        want = m0 + ((pushed[0] - m0) + (pushed[1] - m0)) / np.float32(2)
+        self.assertAllEqual(shard.value("bn/moving_mean"), want)
+        self.assertAllClose(want, (pushed[0] + pushed[1]) / 2, rtol=1e-6, atol=0)
+        for _, mirrors, _ in workers:
+            self.assertAllEqual(local_value(mirrors["bn/moving_mean"]), want)
 
 
 
