@@ -121,7 +121,8 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             # its last word on the weights (`_keep_chief_writes`).
             self._steps_trained = tf.Variable(0, dtype=tf.int64, trainable=False,
                                               name="tfdist_steps_trained")
-        self._chief_writes = {}  # id(mirror) -> (mirror, steps trained when last written)
+        # id(mirror) -> (mirror, steps trained when the chief last wrote it, the value)
+        self._chief_writes = {}
         # Embedding tables: on the ps tasks only (`tfdist.ps.tables`); lookups, and their
         # optimizer slots.
         self._tables = TableSet(tables if tables is not None else TableRule(None),
@@ -317,7 +318,9 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             variable.follow()
 
     def _chief_wrote(self, variable):
-        self._chief_writes[id(variable)] = (variable, int(self._steps_trained.numpy()))
+        with replica_step():
+            value = variable.read_value()  # its own copy, which took the value written
+        self._chief_writes[id(variable)] = (variable, int(self._steps_trained.numpy()), value)
 
     def _count_trained_step(self):
         """In a step that trained (in-graph)."""
@@ -534,20 +537,19 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         """Writes again, over the masters, what the chief wrote after its last train step
         (EarlyStopping's `restore_best_weights` at the end of `fit`, a `load_weights` before
         `join()`): the other workers trained on over it, and the weights `join()` leaves
-        (and the chief then saves) are its choice. Its copies still hold what it wrote: no
-        reply came after. A write followed by a step was training, and is not kept."""
+        (and the chief then saves) are its choice. The values are those written (a reply
+        may have come since: model averaging's last round). A write followed by a step was
+        training, and is not kept."""
         steps = int(self._steps_trained.numpy())
-        kept = [v for v, at in self._chief_writes.values() if at == steps]
+        kept = [(v, value) for v, at, value in self._chief_writes.values() if at == steps]
         if not kept:
             return
         with tf.init_scope():
-            with replica_step():
-                values = [v.read_value() for v in kept]  # the chief's own copies
-            for variable, value in zip(kept, values):
+            for variable, value in kept:
                 variable.assign(value, read_value=False)  # outside a step: the masters
         log.info("tfdist: %s wrote %s after its last train step: kept over the other "
                  "workers' later updates", self._connection.task_name,
-                 [v._tfdist_path for v in kept])
+                 [v._tfdist_path for v, _ in kept])
 
     def _take_masters(self):
         with tf.init_scope(), replica_step():
