@@ -17,17 +17,23 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import _tf_compat
+from tfdist import compression as compression_lib
 from tfdist.ps import protocol
 from tfdist.ps import wire
 from tfdist.ps.client import ShardClient
 from tfdist.ps.policies import AsyncPolicy
 from tfdist.ps.policies import AveragingPolicy
 from tfdist.ps.policies import SoftSyncPolicy
+from tfdist.ps.push import GradientPush
+from tfdist.ps.push_codec import PushCodec
 from tfdist.ps.shard_optimizer import RunFailed
 from tfdist.ps.spec import ShardSpec
 from tfdist.ps.updater import ShardUpdateGraph
 from tfdist.ps.updater import shard_push_dtypes
 from tfdist.ps.variables import MirrorVariable
+from tfdist.ps.variables import Part
+from tfdist.ps.variables import replica_step
+from tfdist.ps.worker import ParameterServerExtended
 
 DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"
 _runs = itertools.count()
@@ -37,7 +43,7 @@ class Shard:
     """A shard's run opened in this process: its graph, and a worker's view of its queues."""
 
     def __init__(self, variables, policy, initial, num_workers=2, optimizer=None,
-                 outer_optimizer=None, delta=False, optimizer_masters=True):
+                 outer_optimizer=None, delta=False, optimizer_masters=True, compressor=None):
         if optimizer is not None and optimizer_masters:
             variables, initial = with_optimizer_masters(variables, initial, optimizer)
         self.spec = ShardSpec(
@@ -46,10 +52,12 @@ class Shard:
             worker_tasks=[f"/job:worker/task:{r}" for r in range(num_workers)],
             worker_addresses=[f"localhost:{r}" for r in range(num_workers)], num_ps=1,
             shard=0, variables=variables, optimizer=optimizer,
-            outer_optimizer=outer_optimizer, delta=delta, init_timeout=10.0)
+            outer_optimizer=outer_optimizer, delta=delta, init_timeout=10.0,
+            compression=None if compressor is None else compression_lib.serialize(compressor))
         run = self.run = f"updater-test-{next(_runs)}"
         layout = protocol.ShardLayout(self.spec.variables)
-        self.push_dtypes = shard_push_dtypes(layout, None)
+        self.layout = layout
+        self.push_dtypes = shard_push_dtypes(layout, compressor)
         push_queue = protocol.open_push_queue(DEVICE, run, self.push_dtypes)
         self.reply_queues = [protocol.open_reply_queue(DEVICE, run, r)
                              for r in range(num_workers)]
@@ -168,10 +176,11 @@ class CollectAndApplyTest(tf.test.TestCase):
         want = w0 - 0.1 * g[:2].mean(axis=0)
         self.assertAllClose(shard.value("d/w"), want, rtol=1e-6)
         # The first two make update 1 and are answered with its weights; the third was
-        # computed at step 0 < 1: dropped, its worker sent the current weights at once.
+        # computed at step 0 < 1: dropped, its worker sent the current weights at once, and
+        # told so.
         for rank in range(3):
             (token, message, values), = shard.replies(rank)
-            self.assertEqual((token, message), (1, ""))
+            self.assertEqual((token, message), (1, protocol.DROPPED_MESSAGE if rank == 2 else ""))
             self.assertAllClose(values, want, rtol=1e-6)
         progress = shard.progress_dict()
         self.assertEqual({k: progress[k] for k in ("global_step", "updates",
@@ -412,9 +421,11 @@ class StateAndAveragingTest(tf.test.TestCase):
         shard = Shard([entry("d/w", [1]), entry("bn/moving_mean", [3], role="value")],
                       SoftSyncPolicy(2, 2), {"d/w": w0, "bn/moving_mean": mean0},
                       optimizer=sgd(1.0))
+        # Each worker read mean0 and pushes its statistics' change since: the mean of
+        # their statistics (as the worker computes the change, in float32).
         v0, v1 = np.array([1.0, 2.0, 3.0]), np.array([3.0, 0.0, 1.0])
-        shard.push(0, 0, [1.0], v0)
-        shard.push(0, 1, [3.0], v1)
+        shard.push(0, 0, [1.0], np.float32(v0) - mean0)
+        shard.push(0, 1, [3.0], np.float32(v1) - mean0)
         shard.serve(required=2)
         self.assertAllClose(shard.value("d/w"), [-1.0])
         self.assertAllClose(shard.value("bn/moving_mean"), (v0 + v1) / 2, rtol=1e-6)
@@ -423,8 +434,9 @@ class StateAndAveragingTest(tf.test.TestCase):
         self.assertAllClose(values, [-1.0, 2.0, 1.0, 2.0])
         held = shard.value("bn/moving_mean")
         for _ in range(3):
-            for rank in range(2):
-                shard.push(int(shard.progress_dict()["global_step"]), rank, [0.0], held)
+            for rank in range(2):  # frozen: no change
+                shard.push(int(shard.progress_dict()["global_step"]), rank, [0.0],
+                           np.zeros([3], np.float32))
             shard.serve(required=2)
         self.assertAllEqual(shard.value("bn/moving_mean"), held)
 
@@ -658,13 +670,251 @@ class ClientPackTest(tf.test.TestCase):
         shard.serve(required=1)
         thread.join(timeout=60)
         self.assertFalse(thread.is_alive(), "no reply came back")
-        token, _, values = replies[0]
+        token, _, values, dropped = replies[0]
         self.assertEqual(int(token), 1)
+        self.assertFalse(bool(dropped))
         self.assertAllClose(values, [0.5, 2.5])   # the dense part: w - 0.5 * g
         want = table0.copy()
         want[5] -= 0.5 * np.array([4.0, 4.0])    # repeated row 5: summed
         want[3] -= 0.5 * np.array([2.0, 2.0])
         self.assertAllClose(shard.value("e/embeddings"), want)
+
+
+
+def worker_of(shard, rank, compressor=None):
+    """The exchange of a worker of rank `rank` with `shard` (a one-shard run opened in this
+    process): `(engine, mirrors, exchange)`; `mirrors` are the worker's `{path: mirror}`,
+    bound to the shard's masters; `exchange(gradient)` runs one step's push-and-receive as
+    `ParameterServerExtended._exchange` does (in a `tf.function`, in a thread: `shard.serve`
+    answers it), and returns once its reply has landed."""
+    connection = types.SimpleNamespace(rank=rank, num_workers=shard.spec.num_workers,
+                                       ps_devices=[DEVICE], ps_names=["/job:ps/task:0"],
+                                       host_device=DEVICE, is_chief=rank == 0,
+                                       task_name=f"/job:worker/task:{rank}")
+    client = ShardClient(connection, 0)
+    client.num_workers, client.push_queue = shard.spec.num_workers, shard.queue
+    client.push_dtypes = shard.push_dtypes
+    client.reply_queue, client.progress = shard.reply_queues[rank], shard.progress
+    # The engine's state that `_exchange` and `leave` read, without a cluster to join.
+    engine = ParameterServerExtended.__new__(ParameterServerExtended)
+    engine._connection = connection
+    engine._steps_trained = tf.Variable(0, dtype=tf.int64)
+    engine._chief_writes = {}
+    mirrors = {}
+    for e in shard.layout.main + shard.layout.values:
+        mirrors[e.path] = MirrorVariable.create(e.path, e.role,
+                                                initial_value=shard.value(e.path))
+        mirrors[e.path].bind(shard.masters[e.path])
+        engine._after_bind(mirrors[e.path])
+    engine._clients, engine._layouts = [client], [shard.layout]
+    engine._shards = [[Part(mirror) for mirror in mirrors.values()]]
+    engine._tags = tf.Variable(tf.zeros([1], tf.int64))
+    engine._stats = tf.Variable(tf.zeros([protocol.num_stats(connection.num_workers)],
+                                         tf.int64))
+    engine._tables = types.SimpleNamespace(take_lookups=dict, pushed_rows=lambda *_: [])
+    engine._push = GradientPush()
+    engine._left, engine._watchdog = False, None
+    engine._codec = (None if compressor is None
+                     else PushCodec(compressor, tf.distribute.get_strategy(), connection))
+
+    def exchange(gradient, serve=True):
+        @tf.function
+        def step():  # as a train step does (`_call_for_each_replica`)
+            engine._exchange(lambda part: tf.constant(gradient))
+            engine._count_trained_step()
+
+        started = StartedStep(step)
+        if serve:
+            serve_steps(shard, [started], required=1)
+        return started
+
+    return engine, mirrors, exchange
+
+
+class StartedStep:
+    """`step()` running in a thread (its push waits for its reply)."""
+
+    def __init__(self, step):
+        self.errors = []
+        self.thread = threading.Thread(daemon=True, target=self._run, args=(step,))
+        self.thread.start()
+
+    def _run(self, step):
+        try:
+            step()
+        except Exception as e:  # noqa: BLE001  (raised in the test's thread: `check`)
+            self.errors.append(e)
+
+    def check(self):
+        if self.errors:
+            raise self.errors[0]
+
+    def finish(self):
+        self.thread.join(timeout=60)
+        assert not self.thread.is_alive(), "no reply came back"
+        self.check()
+
+
+def serve_steps(shard, started, required):
+    """Waits until the pushes of the `started` steps are in `shard`'s queue, serves them
+    (`required` pushes an update), and waits for their replies."""
+    deadline = time.monotonic() + 60
+    while int(tf.raw_ops.QueueSizeV2(handle=shard.queue)) < len(started):
+        for step in started:
+            step.check()
+            assert step.thread.is_alive(), "a step ended before its push was enqueued"
+        assert time.monotonic() < deadline, "the pushes never arrived"
+        time.sleep(0.01)
+    shard.serve(required=required)
+    for step in started:
+        step.finish()
+
+
+def local_value(mirror):
+    """A mirror's own value (outside a step a bound mirror reads its master)."""
+    with replica_step():
+        return mirror.numpy()
+
+
+class DroppedPushTest(tf.test.TestCase):
+    """A compressed push the ps drops as stale leaves the worker's codec state as it was
+    before that step: error feedback keeps what was computed but not applied of the pushes
+    the ps accepted, and nothing of a dropped one (`tfdist.ps.push_codec`)."""
+
+    def test_a_dropped_push_leaves_the_residual_as_before_and_no_stale_mass_returns(self):
+        lr, w0 = 1.0, np.zeros([4], np.float32)
+        compressor = compression_lib.get("topk", ratio=0.25)  # one element of four a push
+        shard = Shard([entry("d/w", [4])], SoftSyncPolicy(1, 2), {"d/w": w0},
+                      optimizer=sgd(lr), compressor=compressor)
+        engine, mirrors, exchange = worker_of(shard, 1, compressor)
+
+        def residual():
+            state, = engine._codec.states()
+            (variables,) = state.variables.values()
+            return variables["residual"].numpy()
+
+        g1 = np.array([4.0, 1.0, 2.0, 0.0], np.float32)
+        exchange(g1)   # accepted: update 1 applies [4, 0, 0, 0]
+        w1 = w0 - lr * np.array([4.0, 0.0, 0.0, 0.0])
+        self.assertAllClose(shard.value("d/w"), w1)
+        self.assertAllClose(residual(), [0.0, 1.0, 2.0, 0.0])
+        # Other workers' updates move the global step on: the next push, computed at step 1,
+        # is stale (soft sync accepts only pushes of the current step) and dropped.
+        shard.progress.scatter_nd_update([[protocol.STAT_STEP]], [5])
+        exchange(np.array([0.0, 0.0, 3.0, 9.0], np.float32))  # sends the 9, keeps the 3
+        self.assertEqual(shard.progress_dict()["dropped_gradients"], 1)
+        self.assertAllClose(shard.value("d/w"), w1)
+        self.assertAllClose(residual(), [0.0, 1.0, 2.0, 0.0])  # the 3 of the dropped push too
+        self.assertEqual(int(engine._tags[0]), 5)  # the worker took the current step
+        # The next push, fresh, sends the largest of its gradient plus the residual of g1
+        # only: nothing of the dropped push reaches the weights.
+        exchange(np.array([0.0, 0.5, 0.0, 0.0], np.float32))
+        self.assertAllClose(shard.value("d/w"), w1 - lr * np.array([0.0, 0.0, 2.0, 0.0]))
+        self.assertAllClose(residual(), [0.0, 1.5, 0.0, 0.0])
+        self.assertAllClose(local_value(mirrors["d/w"]), shard.value("d/w"))
+
+
+
+class PushedStateTest(tf.test.TestCase):
+    """Non-trainable state (BatchNorm's moving statistics) travels as the change a worker's
+    steps made to it since the worker last took the master's value: concurrent workers'
+    changes add up instead of the last push overwriting the others'."""
+
+    def test_async_workers_statistics_combine_instead_of_overwriting(self):
+        m0 = np.array([1.0, -1.0], np.float32)
+        shard = Shard([entry("d/w", [1]), entry("bn/moving_mean", [2], role="value")],
+                      AsyncPolicy(), {"d/w": np.zeros([1], np.float32), "bn/moving_mean": m0},
+                      optimizer=sgd(1.0))
+        (_, mirrors0, exchange0), (_, mirrors1, exchange1) = [worker_of(shard, rank)
+                                                              for rank in range(2)]
+        # Both workers read m0; each step moves the statistics its own way (BatchNorm's
+        # moving average of its batches).
+        a, b = np.array([1.5, -1.0], np.float32), np.array([1.0, 0.0], np.float32)
+        with replica_step():
+            mirrors0["bn/moving_mean"].assign(a)
+            mirrors1["bn/moving_mean"].assign(b)
+        exchange0([1.0])
+        self.assertAllClose(shard.value("bn/moving_mean"), a)
+        exchange1([1.0])  # computed on m0, one update ago: its change counts all the same
+        want = m0 + (a - m0) + (b - m0)
+        self.assertAllClose(shard.value("bn/moving_mean"), want)
+        self.assertAllClose(local_value(mirrors1["bn/moving_mean"]), want)
+        self.assertAllClose(shard.value("d/w"), [-2.0])
+        # Worker 0 last read `a` (its reply): its next change is counted from there.
+        c = a + np.array([0.0, 0.25], np.float32)
+        with replica_step():
+            mirrors0["bn/moving_mean"].assign(c)
+        exchange0([0.0])
+        self.assertAllClose(shard.value("bn/moving_mean"), want + (c - a))
+        self.assertAllClose(local_value(mirrors0["bn/moving_mean"]), want + (c - a))
+        # The chief's eager write (a restore, `set_weights`) is where its next change starts.
+        written = np.array([5.0, 5.0], np.float32)
+        mirrors0["bn/moving_mean"].assign(written)
+        self.assertAllClose(shard.value("bn/moving_mean"), written)
+        with replica_step():
+            mirrors0["bn/moving_mean"].assign(written + 1.0)
+        exchange0([0.0])
+        self.assertAllClose(shard.value("bn/moving_mean"), written + 1.0)
+
+    def test_sync_workers_statistics_take_the_mean_of_the_pushed_values(self):
+        m0 = np.array([0.1, 0.7, -0.3], np.float32)
+        shard = Shard([entry("d/w", [1]), entry("bn/moving_mean", [3], role="value")],
+                      SoftSyncPolicy(2, 2), {"d/w": np.zeros([1], np.float32),
+                                             "bn/moving_mean": m0}, optimizer=sgd(1.0))
+        workers = [worker_of(shard, rank) for rank in range(2)]
+        pushed = [np.array([0.3, 0.11, 1e-3], np.float32), np.array([7.0, -0.2, 0.9],
+                                                                    np.float32)]
+        for (_, mirrors, _), value in zip(workers, pushed):
+            with replica_step():
+                mirrors["bn/moving_mean"].assign(value)
+        serve_steps(shard, [exchange([1.0], serve=False) for _, _, exchange in workers],
+                    required=2)
+        # Both read m0: the master plus the mean change is their mean (to float32 rounding:
+        # the ps sums the changes the workers computed, in float32).
+        want = m0 + ((pushed[0] - m0) + (pushed[1] - m0)) / np.float32(2)
+        self.assertAllEqual(shard.value("bn/moving_mean"), want)
+        self.assertAllClose(want, (pushed[0] + pushed[1]) / 2, rtol=1e-6, atol=0)
+        for _, mirrors, _ in workers:
+            self.assertAllEqual(local_value(mirrors["bn/moving_mean"]), want)
+
+
+
+class ChiefWritesTest(tf.test.TestCase):
+    """What the chief writes after its last train step (EarlyStopping's
+    `restore_best_weights` at the end of `fit`) is what `join()` leaves in the masters and its
+    model, though other workers trained on after it."""
+
+    def test_the_chiefs_restore_after_its_last_step_survives_join(self):
+        w0 = np.array([1.0, 2.0], np.float32)
+        shard = Shard([entry("d/w", [2]), entry("bn/moving_mean", [2], role="value")],
+                      AsyncPolicy(), {"d/w": w0, "bn/moving_mean": np.zeros([2], np.float32)},
+                      optimizer=sgd(1.0))
+        (chief, chiefs, chief_step), (_, workers, worker_step) = [worker_of(shard, rank)
+                                                                  for rank in range(2)]
+        # A write followed by a step of the chief is training, not its last word.
+        chiefs["bn/moving_mean"].assign([9.0, 9.0])
+        chief_step([0.5, 0.5])
+        best = shard.value("d/w").copy()
+        chief_step([1.0, 0.0])
+        # The end of the chief's fit: EarlyStopping restores the best weights (eagerly,
+        # through the mirrors, to the masters); worker 1 trains on over them.
+        chiefs["d/w"].assign(best)
+        with replica_step():
+            # A reply may land in the chief's copy after its write (model averaging's last
+            # round, pushed at join()).
+            chiefs["d/w"].assign([0.0, 0.0])
+            # Worker 1's step moves its statistics by one.
+            workers["bn/moving_mean"].assign([1.0, 1.0])
+        worker_step([0.0, 2.0])
+        self.assertAllClose(shard.value("d/w"), best - [0.0, 2.0])
+        # Worker 1 leaves; the chief's join() waits for that, then takes the masters.
+        shard.progress.scatter_nd_update([[protocol.STAT_MEMBERS + 1]], [protocol.LEFT])
+        chief.leave(wait=True, timeout=60)
+        self.assertAllClose(shard.value("d/w"), best)
+        self.assertAllClose(local_value(chiefs["d/w"]), best)
+        # Worker 1's change of the statistics stays: the chief wrote them before a step.
+        self.assertAllClose(shard.value("bn/moving_mean"), [10.0, 10.0])
+        self.assertAllClose(local_value(chiefs["bn/moving_mean"]), [10.0, 10.0])
 
 
 if __name__ == "__main__":

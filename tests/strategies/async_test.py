@@ -147,18 +147,25 @@ class AsyncTrainingTest(tf.test.TestCase):
         # The chief trains its 3 epochs in about a second and joins. Worker 1 sleeps 0.3 s
         # after each step and 6 s after its first epoch (a long validation or checkpoint: no
         # update meanwhile, 3 times the liveness probes' verdict time). It is neither cut
-        # off nor taken for dead: every push of both is applied, and the chief, which waited,
-        # ends on the final weights, as worker 1 does.
+        # off nor taken for dead: every push of both is applied. The chief trains with
+        # EarlyStopping(restore_best_weights=True), whose restore at the end of its fit
+        # worker 1 trains on over: join() waits, then writes the chief's restore again,
+        # so the chief ends on its best epoch's weights, not on worker 1's last update.
         out = self.get_temp_dir()
         cluster, result = run_cluster(out, 2, "--strategy=async", "--epochs=3",
-                                      "--slow_rank=1", "--slow_delay=0.3", "--pause=6")
+                                      "--slow_rank=1", "--slow_delay=0.3", "--pause=6",
+                                      "--chief_early_stopping")
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         chief, slow = load_result(out, "worker0.json"), load_result(out, "worker1.json")
         self.assertEqual(chief["dead"], [])
         self.assertLen(slow["history"]["loss"], 3)
         self.assertEqual(chief["aggregated"], chief["pushes"] + slow["pushes"])
         self.assertEqual(chief["updates"], chief["aggregated"])
-        for a, b in zip(chief["weights"], slow["local_weights"]):
+        best = load_result(out, "best_weights.json")
+        # Worker 1's updates went on after the chief's restore ...
+        self.assertGreater(chief["updates"], best["updates"])
+        # ... and the model ends on the chief's best epoch all the same.
+        for a, b in zip(chief["weights"], best["weights"]):
             self.assertAllEqual(a, b)
 
     def test_learning_rate_factor_reaches_the_optimizer(self):

@@ -54,6 +54,9 @@ flags.DEFINE_integer("stop_rank", -1, "A worker that stops itself with SIGSTOP a
                      "first epoch, printing STOPPING (a hung process: its port stays open).")
 flags.DEFINE_integer("steps_per_execution", 1, "Keras `steps_per_execution`.")
 flags.DEFINE_bool("frozen", False, "async: a staleness function that zeroes every update.")
+flags.DEFINE_bool("chief_early_stopping", False, "The chief trains with "
+                  "`EarlyStopping(restore_best_weights=True)` (patience: every epoch), which "
+                  "writes its best epoch's weights at the end of its fit.")
 flags.DEFINE_bool("chief_halves", False, "equivalence: only the chief's callback halves the "
                   "learning rate (a `ReduceLROnPlateau` watching the chief's logs).")
 
@@ -281,8 +284,16 @@ def main(argv):
             callbacks.append(Slow())
         if rank == FLAGS.stop_rank:
             callbacks.append(StopSelf())
+        early_stopping = None
+        if rank == 0 and FLAGS.chief_early_stopping:
+            early_stopping = keras.callbacks.EarlyStopping(
+                monitor="loss", patience=FLAGS.epochs, restore_best_weights=True)
+            callbacks.append(early_stopping)
         history = model.fit(xs, ys, batch_size=BATCH, epochs=FLAGS.epochs, shuffle=False,
                             verbose=0, callbacks=callbacks)
+        if early_stopping is not None:
+            save("best_weights.json", weights=[w.tolist() for w in early_stopping.best_weights],
+                 updates=strategy.progress()["updates"])  # (after the restore)
     strategy.join()
     evaluation = model.evaluate(x, y, batch_size=64, verbose=0)
     # With a table on the ps, `predict` looks its rows up there too.

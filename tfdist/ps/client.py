@@ -2,6 +2,7 @@
 
 import os
 import time
+import typing
 
 import tensorflow as tf
 
@@ -30,6 +31,23 @@ def _pack_kind(tensor):
 
 class RunError(RuntimeError):
     """A ps task refused this worker, or its run failed."""
+
+
+class Reply(typing.NamedTuple):
+    """A ps task's reply to this worker.
+
+    Attributes:
+      token: the global step of the weights it carries.
+      stats: the progress vector (`protocol.progress_dict`).
+      values: the shard's flat values (`protocol.ShardLayout.split_reply`).
+      dropped: (a bool tensor) the push it answers was dropped as stale, its weights are
+        the current ones; False for the answer to a SYNC.
+    """
+
+    token: typing.Any
+    stats: typing.Any
+    values: typing.Any
+    dropped: typing.Any = False
 
 
 class ShardClient:
@@ -117,7 +135,8 @@ class ShardClient:
     # In-graph (or eager) ---------------------------------------------------------------------
 
     def push_and_receive(self, tag, payload, values):
-        """Pushes, then takes this worker's reply: `(token, stats, flat values)`.
+        """Pushes, then takes this worker's reply (a `Reply`: whether the push was dropped
+        comes with it).
 
         One tensor travels each way where it can: every tensor that crosses to or from the
         ps within a step is an RPC of its own, and the ps's CPU per round trip doubles
@@ -165,14 +184,15 @@ class ShardClient:
             with tf.control_dependencies([push]):
                 token, message, stats, values = self._dequeue()
                 check = tf.debugging.Assert(token >= 0, [message])
+                dropped = tf.cast(tf.equal(message, protocol.DROPPED_MESSAGE), tf.int64)
             with tf.control_dependencies([check]):
-                reply = tf.concat([wire.ints_as_floats(tf.concat([token[None], stats], 0)),
-                                   values], axis=0)
-        ints = 2 * (1 + protocol.num_stats(self.num_workers))
+                reply = tf.concat([wire.ints_as_floats(tf.concat(
+                    [token[None], dropped[None], stats], 0)), values], axis=0)
+        ints = 2 * (2 + protocol.num_stats(self.num_workers))
         with tf.device(self.connection.host_device):  # the token and stats go to host variables
             head, values = tf.split(reply, [ints, -1])
-            token_and_stats = wire.floats_as_ints(head)
-        return token_and_stats[0], token_and_stats[1:], values
+            head = wire.floats_as_ints(head)
+        return Reply(head[0], head[2:], values, tf.not_equal(head[1], 0))
 
     def _dequeue(self):
         with tf.device(self.device):
@@ -187,7 +207,7 @@ class ShardClient:
                             *[tf.zeros([0], d) for d in self.push_dtypes[2:]]])
 
     def sync(self):
-        """Asks for the current weights (eagerly); returns `(token, stats, values)`.
+        """Asks for the current weights (eagerly); returns a `Reply`.
 
         Replies meant for an earlier process of this rank (a restarted worker) are skipped.
         """
@@ -205,7 +225,7 @@ class ShardClient:
                 if int(token) < 0:
                     raise RunError(f"{self.task}: {message}")
                 if message == protocol.SYNC_MESSAGE:
-                    return token, stats, values
+                    return Reply(token, stats, values)
                 self.skipped_replies += 1
 
     def read_progress(self):

@@ -42,6 +42,9 @@ LEAVE, DEAD, STOP, SYNC = -1, -2, -3, -4
 # The message of the reply to a SYNC: a worker that (re)joins waits for it, and discards
 # replies meant for an earlier process of its rank.
 SYNC_MESSAGE = "sync"
+# The message of the reply to a push the ps dropped as stale (its worker sent the current
+# weights at once): the worker keeps no codec state of that push (`tfdist.ps.push_codec`).
+DROPPED_MESSAGE = "dropped"
 
 # Layout of the progress vector (then one membership entry per worker rank).
 (STAT_STEP, STAT_UPDATES, STAT_DROPPED, STAT_AGGREGATED, STAT_STALENESS_SUM,
@@ -128,8 +131,9 @@ class ShardLayout:
     """How one shard's pushed variables are flattened into float32 vectors, and back.
 
     `main` are the variables whose part of a push goes through the compressor (gradients, or
-    the averaged model); `values` the non-trainable state pushed as it is. A reply carries
-    the values of `main + values`, in that order.
+    the averaged model); `values` the non-trainable state, pushed uncompressed as the change
+    since the worker last read it. A reply carries the values of `main + values`, in that
+    order.
 
     Args:
       entries: the shard's `VariableEntry`s (or their JSON dicts).

@@ -4,6 +4,22 @@ Each worker encodes what it pushes to a ps task with the strategy's compressor, 
 own codec state (error-feedback residuals, ...) with its Keras optimizer, keyed by the pushed
 parts' paths; each ps task decodes its shard. The codec also measures the bytes this worker
 sends and receives, for the Keras logs.
+
+A push the ps drops as stale (soft sync: computed on weights an update older; async:
+staler than `max_staleness`; a model pushed for an older round) leaves the codec state as it
+was before that step: its reply says so (`protocol.DROPPED_MESSAGE`), and the worker keeps
+the new state only of pushes the ps took. Error feedback's invariant (Karimireddy et al.
+2019, "Error Feedback Fixes SignSGD and other Gradient Compression Schemes", section 3: the
+weights minus the residual follow the uncompressed trajectory; Stich and Karimireddy 2020,
+"The Error-Feedback Framework", treat the residual as delayed gradient) then holds against
+what the ps applied: the residual is what was computed and not applied *of the gradients the
+ps accepted*, as the uncompressed strategy applies exactly those. Adding the dropped push's
+sent part back to the residual instead (the invariant against every gradient computed) would
+apply each dropped gradient later, staler still: the staleness bound the drop enforces
+(SyncReplicasOptimizer's, Chen et al. 2016) would not hold, and a worker that is late at
+every step would carry a growing sum of stale gradients into its first accepted push. DGC's
+momentum and accumulation (Lin et al. 2018) go back the same way: the dropped step never
+happened for the codec.
 """
 
 import tensorflow as tf
@@ -89,9 +105,13 @@ class PushCodec:
 
     def compress(self, layout, shard, flat, tag, optimizer):
         """Compresses this worker's part for `shard`, variable by variable where the codec's
-        scale is each tensor's own (`wire.push_units`); returns the payload and the
-        updates of the codec state (kept in `optimizer`'s `CompressionState`, keyed by the
-        parts' paths and rows)."""
+        scale is each tensor's own (`wire.push_units`).
+
+        Returns `(payload, keep_state)`: `keep_state(dropped)` (once the reply is here, its
+        `dropped` flag) gives the updates of the codec state (kept in `optimizer`'s
+        `CompressionState`, keyed by the parts' paths and rows): the new state, or, for a
+        push the ps dropped, none (see the module docstring).
+        """
         compressor = self.compressor
         units, _ = wire.push_units(layout, compressor)
         state = self._states.state_of(optimizer)
@@ -111,21 +131,29 @@ class PushCodec:
         payload, new_states = wire.encode_push(
             layout, compressor, flat, [{n: v.read_value() for n, v in unit.items()}
                                        for unit in states], key)
-        return payload, [unit[n].assign(new[n]) for unit, new in zip(states, new_states)
-                         for n in unit]
+
+        def keep_state(dropped):
+            def assign():
+                with tf.control_dependencies([unit[n].assign(new[n]) for unit, new in
+                                              zip(states, new_states) for n in unit]):
+                    return tf.constant(True)
+
+            return [tf.cond(dropped, lambda: tf.constant(False), assign)]
+
+        return payload, keep_state
 
     def measure(self, layouts, sent, pushed_values, replies):
         """The updates recording one exchange's bytes: the payloads `sent`, and
         `[compressed, dense]` bytes of the round trips to every ps task: each push (its tag
-        and rank, the state values it carries, the payload) and each reply (its token,
-        progress and the worker's shard of the model: replies are never compressed, so the
-        push path's ratio is at most about 2x)."""
+        and rank, the state values it carries, the payload) and each reply (its token, its
+        dropped flag, progress and the worker's shard of the model: replies are never
+        compressed, so the push path's ratio is at most about 2x)."""
         payload_bytes = sum_payload_bytes(sent)
-        header = 16 + 8 * (1 + protocol.num_stats(self._connection.num_workers))
+        header = 16 + 8 * (2 + protocol.num_stats(self._connection.num_workers))
         common = tf.constant(header * len(replies), tf.int64)
-        for values, (_, _, reply) in zip(pushed_values, replies):
+        for values, reply in zip(pushed_values, replies):
             common += 4 * (tf.size(values, out_type=tf.int64)
-                           + tf.size(reply, out_type=tf.int64))
+                           + tf.size(reply.values, out_type=tf.int64))
         dense = 4 * sum(layout.main_size for layout in layouts)
         return [self._bytes_sent.assign(payload_bytes),
                 self._wire.assign(tf.stack([common + payload_bytes, common + dense]))]

@@ -13,7 +13,8 @@ from tfdist._args import check_seconds
 
 # Roles of a shard's variables.
 GRADIENT = "gradient"    # trainable: its gradient is pushed, the optimizer applies the mean
-VALUE = "value"          # non-trainable state (BatchNorm statistics): the mean is assigned
+VALUE = "value"          # non-trainable state (BatchNorm statistics): pushed as the change
+                         # since its worker last read it, the mean change is added
 AVERAGE = "average"      # model averaging: the mean model (or mean change) is assigned
 OPTIMIZER = "optimizer"  # the optimizer's own variables: live on the ps, never pushed
 TABLE = "table"          # an embedding table living on the ps only: its gradient's rows are

@@ -267,9 +267,6 @@ class ShardUpdateGraph:
         """Takes pushes until `required` usable ones, or a control entry."""
         step = self._step()
         main_dtypes = self.push_dtypes[2:-1]
-        # State values are summed as changes from the masters: pushes that all carry the
-        # master's value (frozen weights) leave it exactly as it is, step after step.
-        current = self._current_values()
 
         def cond(state, event, rank):
             return tf.logical_and(state["accepted"] < required, tf.equal(event, 0))
@@ -290,9 +287,11 @@ class ShardUpdateGraph:
 
             def take():
                 main, tables, rows = self._decode(payload, tag, entry_rank)
+                # Non-trainable state comes as the change each worker's steps made to it
+                # since it last read the masters: the changes add up (frozen weights change
+                # by exactly 0).
                 return (state["total"] + main,
-                        state["values"] + tf.reshape(values, [self.layout.value_size])
-                        - current,
+                        state["values"] + tf.reshape(values, [self.layout.value_size]),
                         *[[tf.concat([old, piece[i]], 0)
                            for old, piece in zip(state[key], pairs)]
                           for key, pairs, i in zip(grown, (tables, tables, rows, rows),
@@ -313,10 +312,11 @@ class ShardUpdateGraph:
                 usable, tf.one_hot(entry_rank, self.num_workers, on_value=True,
                                    off_value=False)))
             # A stale push is dropped and its worker sent the current weights at once
-            # (of a table averaged by rows, the rows it lacks: `_rows_since`).
+            # (of a table averaged by rows, the rows it lacks: `_rows_since`), told that
+            # its push was dropped.
             sent = tf.cond(stale, lambda: self._send(entry_rank, step, self._reply_values(
                 self._rows_since(tag, self._pushed_rows(payload)) if self.layout.rows
-                else None)), lambda: tf.constant(True))
+                else None), message=protocol.DROPPED_MESSAGE), lambda: tf.constant(True))
             with tf.control_dependencies([sent]):
                 new["total"] = tf.identity(new["total"])
             return new, tf.where(control, tf.cast(-tag, tf.int32), 0), entry_rank
@@ -329,7 +329,11 @@ class ShardUpdateGraph:
         """Applies the mean of the accepted pushes; returns the new global step and the rows
         of the tables averaged by rows that the update changed (`[(ids, flat values)]`).
 
-        The non-trainable values take their mean; the main variables are updated by
+        The non-trainable values add the mean change of the pushes (each worker's change
+        since it last read them: under sync, where every worker read the same, the mean of
+        the pushed values; under async each push adds its own, so concurrent workers'
+        BatchNorm statistics combine instead of the last overwriting the others'); the main
+        variables are updated by
         `_apply_average` (model averaging) or `_apply_gradients` (the optimizer, once). Each
         takes the mean main vector, the collected state and the updates to order after; an
         update of other entries (rows of a table kept on the ps: gather, apply, scatter) is

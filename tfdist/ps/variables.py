@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from tfdist import _tf_compat
 from tfdist.ps.spec import ROWS
+from tfdist.ps.spec import VALUE
 
 _state = threading.local()
 
@@ -130,6 +131,10 @@ class MirrorVariable(_tf_compat.ResourceVariable):
     _tfdist_masters = ()    # (master, rows) per part, in row order; rows None: whole
     _tfdist_copies = ()
     _tfdist_writable = True
+    # Non-trainable state (VALUE): the value this mirror last took from its masters, which
+    # its worker's pushes count their change from (`change_since_read`).
+    _tfdist_last_read = None
+    _tfdist_on_write = None   # called after each write that reaches the masters
     # The worker's own steps read this copy (a learning rate under model averaging): when it
     # follows, outside a step it stands for this copy, until the master's value is taken
     # again.
@@ -159,6 +164,12 @@ class MirrorVariable(_tf_compat.ResourceVariable):
             is a copy (the optimizer's step counter and learning rate, one per ps task):
             reads take the first, writes go to all.
         """
+        if self._tfdist_role == VALUE and self._tfdist_last_read is None:
+            with tf.init_scope(), tf.device(self.device):
+                # (A plain variable: the class made directly, past the strategy's creator.)
+                self._tfdist_last_read = _tf_compat.ResourceVariable(
+                    super()._read_variable_op(), trainable=False,
+                    name=self._shared_name + "_last_read")
         if rows is None and self._tfdist_masters:
             self._tfdist_copies = (*self._tfdist_copies, master)
         else:
@@ -169,6 +180,34 @@ class MirrorVariable(_tf_compat.ResourceVariable):
         """Outside a step, writes are ignored: another task (the chief) sets this variable."""
         self._tfdist_writable = False
 
+    def on_write(self, callback):
+        """Outside a step, after each write that reaches the masters: `callback(self)`."""
+        self._tfdist_on_write = callback
+
+    def _written(self, value=None):
+        _warn_rows_write(self)
+        self._refresh(value)
+        if self._tfdist_on_write is not None:
+            self._tfdist_on_write(self)
+        return self
+
+    def assign_read(self, value):
+        """Writes `value`, read from the masters (a reply, a pull), into this mirror;
+        returns the updates."""
+        updates = [super().assign(value, read_value=False)]
+        if self._tfdist_last_read is not None:
+            updates.append(self._tfdist_last_read.assign(value, read_value=False))
+        return updates
+
+    def change_since_read(self):
+        """Non-trainable state: what this worker's steps changed in it since it last took
+        the masters' value (float32), the push's `values` (the ps adds the mean change of
+        an update's pushes: concurrent workers' statistics combine, none overwrites the
+        others')."""
+        local = super()._read_variable_op()
+        return (tf.cast(local, tf.float32)
+                - tf.cast(self._tfdist_last_read.read_value(), tf.float32))
+
     def master_value(self, consistent=True):
         """The value of the master copy (its parts joined; inside
         `tfdist.ps.snapshot.consistent_reads()`, each from its shard's snapshot, unless
@@ -177,12 +216,15 @@ class MirrorVariable(_tf_compat.ResourceVariable):
                   for master, _ in self._tfdist_masters]
         return values[0] if len(values) == 1 else tf.concat(values, axis=0)
 
-    def _refresh(self):
-        """After a write to the masters: the copies and this variable take their value."""
-        value = self.master_value(consistent=False)
+    def _refresh(self, value=None):
+        """After a write to the masters: the copies and this variable take their value
+        (`value`: the value written, not read back, which another worker's update may have
+        changed since)."""
+        if value is None:
+            value = self.master_value(consistent=False)
         for copy in self._tfdist_copies:
             copy.assign(value, read_value=False)
-        super().assign(value, read_value=False)
+        self.assign_read(value)
         return self
 
     def _read_variable_op(self, no_copy=False):
@@ -201,8 +243,7 @@ class MirrorVariable(_tf_compat.ResourceVariable):
             # Each part's own op on its ps task: an add there is atomic against the updater.
             getattr(master, method)(value if rows is None else value[rows[0]:rows[1]],
                                     read_value=False)
-        _warn_rows_write(self)
-        return self._refresh()
+        return self._written(value if method == "assign" else None)
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         return self._write("assign", value, use_locking=use_locking, name=name,
@@ -224,8 +265,7 @@ class MirrorVariable(_tf_compat.ResourceVariable):
         for master, rows in self._tfdist_masters:
             delta = sparse_delta if rows is None else _rows_of(sparse_delta, rows)
             getattr(master, method)(delta, use_locking=use_locking, name=name)
-        _warn_rows_write(self)
-        return self._refresh()
+        return self._written()
 
     def scatter_update(self, sparse_delta, use_locking=False, name=None):
         return self._scatter("scatter_update", sparse_delta, use_locking, name)

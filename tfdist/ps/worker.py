@@ -118,6 +118,12 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                                      name="tfdist_tags")
             self._stats = tf.Variable(tf.zeros([protocol.num_stats(connection.num_workers)],
                                                tf.int64), trainable=False, name="tfdist_stats")
+            # The train steps this worker took: the chief's writes after its last one are
+            # its last word on the weights (`_keep_chief_writes`).
+            self._steps_trained = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                              name="tfdist_steps_trained")
+        # id(mirror) -> (mirror, steps trained when the chief last wrote it, the value)
+        self._chief_writes = {}
         # Embedding tables: on the ps tasks only (`tfdist.ps.tables`); lookups, and their
         # optimizer slots.
         self._tables = TableSet(tables if tables is not None else TableRule(None),
@@ -203,6 +209,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                 result = super()._call_for_each_replica(fn, args, kwargs)
                 if step.trained and previous is None:
                     self._push.after_step()
+                    self._count_trained_step()
         finally:
             self._tls.step = previous
         if previous is None and not tf.executing_eagerly():
@@ -294,12 +301,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                             master.assign(Part(variable, rows).take(initial[path]),
                                           read_value=False)
                         variable.bind(master, rows)
-                        if not self._connection.is_chief:
-                            # Every worker runs the user's callbacks; only the chief's eager
-                            # writes reach the masters (a learning rate halved once, not
-                            # once per worker; one worker's best weights restored, not
-                            # each one's).
-                            variable.follow()
+                        self._after_bind(variable)
             self._tables.joined(any(a["initialize"] for a in answers))
             # A checkpoint reads each table part with the rest of its shard, between two
             # updates (`tfdist.ps.snapshot`).
@@ -312,6 +314,24 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                           else [tf.float32])
                 client.open_push_queue(dtypes, layout.num_row_pairs)
             self._pull(copy_tables=not any(a["initialize"] for a in answers))
+
+    def _after_bind(self, variable):
+        """Every worker runs the user's callbacks; only the chief's eager writes reach the
+        masters (a learning rate halved once, not once per worker; one worker's best weights
+        restored, not each one's), and it remembers them (`_keep_chief_writes`)."""
+        if self._connection.is_chief:
+            variable.on_write(self._chief_wrote)
+        else:
+            variable.follow()
+
+    def _chief_wrote(self, variable):
+        with replica_step():
+            value = variable.read_value()  # its own copy, which took the value written
+        self._chief_writes[id(variable)] = (variable, int(self._steps_trained.numpy()), value)
+
+    def _count_trained_step(self):
+        """In a step that trained (in-graph)."""
+        return self._steps_trained.assign_add(1, read_value=False)
 
     def _plan(self, fields):
         """`{path: [(ps_index, rows)]}`: where each mirror's master parts live."""
@@ -381,25 +401,25 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             self._push.joined(copy_tables)
 
     def _assign_replies(self, replies):
-        """Writes every shard's reply `(token, stats, values)` into the mirrors (the parts of
-        a split variable joined), the tags and the telemetry; returns the updates."""
+        """Writes every shard's reply (`client.Reply`) into the mirrors (the parts of a split
+        variable joined), the tags and the telemetry; returns the updates."""
         updates, split = [], {}
-        for shard, (_, _, values) in enumerate(replies):
+        for shard, reply in enumerate(replies):
+            values = reply.values
             main, rest = self._layouts[shard].split_reply(values)
             for part, value in zip(self._shards[shard], main + rest):
                 if part.rows is None:
-                    updates.append(part.variable.assign(value, read_value=False))
+                    updates += part.variable.assign_read(value)
                 else:
                     split.setdefault(id(part.variable), (part.variable, []))[1].append(
                         (part.rows, value))
             updates += self._push.on_reply(shard, values)
         for variable, parts in split.values():
             parts.sort(key=lambda p: p[0])
-            updates.append(variable.assign(tf.concat([v for _, v in parts], axis=0),
-                                           read_value=False))
-        updates.append(self._tags.assign(tf.stack([token for token, _, _ in replies]),
+            updates += variable.assign_read(tf.concat([v for _, v in parts], axis=0))
+        updates.append(self._tags.assign(tf.stack([reply.token for reply in replies]),
                                          read_value=False))
-        updates.append(self._stats.assign(replies[0][1], read_value=False))
+        updates.append(self._stats.assign(replies[0].stats, read_value=False))
         return updates
 
     # The exchange ----------------------------------------------------------------------
@@ -419,21 +439,25 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                 [t for t, e in zip(tensors, layout.main) if not e.sparse])
             rows = [wire.sparse_rows(t, e)
                     for t, e in zip(tensors, layout.main) if e.sparse]
+            # Non-trainable state travels as the change this worker's steps made to it since
+            # it last took the masters' (the ps adds the mean change).
             values = protocol.ShardLayout.flatten(
-                [p.take(p.variable.read_value()) for p in parts[len(layout.main):]])
+                [p.take(p.variable.change_since_read()) for p in parts[len(layout.main):]])
             tag = tags[shard]
             pushed_values.append(values)
-            payload, state_updates = (main, *[c for pair in rows for c in pair]), []
+            payload, keep_state = (main, *[c for pair in rows for c in pair]), None
             if self._codec is not None:
-                payload, state_updates = self._codec.compress(layout, shard, main, tag,
-                                                              self._push.optimizer)
+                payload, keep_state = self._codec.compress(layout, shard, main, tag,
+                                                           self._push.optimizer)
                 sent.append(payload)
             # The rows of each table's gradient on this ps task (never compressed).
             payload = (*payload, *self._tables.pushed_rows(shard, layout, main_tensor, lookups),
                        *self._push.pushed_rows(shard))
             # Shards do not wait for each other: their round trips overlap.
-            with tf.control_dependencies(state_updates):
-                replies.append(client.push_and_receive(tag, payload, values))
+            replies.append(client.push_and_receive(tag, payload, values))
+            if keep_state is not None:
+                # The codec state of a push the ps dropped stays as it was (`push_codec`).
+                updates += keep_state(replies[-1].dropped)
         updates += self._assign_replies(replies)
         if sent:
             updates += self._codec.measure(self._layouts, sent, pushed_values, replies)
@@ -481,6 +505,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             # this one. Once the others are gone nothing changes the masters: read them.
             self._send_leave()
             self._wait_for_others(timeout)
+            self._keep_chief_writes()
             self._take_masters()
         except (tf.errors.OpError, RunError) as e:
             gone = self._connection.unreachable_ps()
@@ -515,13 +540,31 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             except tf.errors.OpError:
                 pass  # the run has ended (its queues are closed)
 
+    def _keep_chief_writes(self):
+        """Writes again, over the masters, what the chief wrote after its last train step
+        (EarlyStopping's `restore_best_weights` at the end of `fit`, a `load_weights` before
+        `join()`): the other workers trained on over it, and the weights `join()` leaves
+        (and the chief then saves) are its choice. The values are those written (a reply
+        may have come since: model averaging's last round). A write followed by a step was
+        training, and is not kept."""
+        steps = int(self._steps_trained.numpy())
+        kept = [(v, value) for v, at, value in self._chief_writes.values() if at == steps]
+        if not kept:
+            return
+        with tf.init_scope():
+            for variable, value in kept:
+                variable.assign(value, read_value=False)  # outside a step: the masters
+        log.info("tfdist: %s wrote %s after its last train step: kept over the other "
+                 "workers' later updates", self._connection.task_name,
+                 [v._tfdist_path for v, _ in kept])
+
     def _take_masters(self):
         with tf.init_scope(), replica_step(), snapshot.consistent_reads():
             # Tables averaged by rows are read in bounded chunks (`ChangedRows`), the rest
             # whole.
             variables = {id(p.variable): p.variable for parts in self._shards for p in parts}
             for variable in variables.values():
-                variable.assign(variable.master_value(), read_value=False)
+                variable.assign_read(variable.master_value())
             self._push.joined(copy_tables=True)
             self._stats.assign(self._clients[0].progress.read_value(), read_value=False)
 

@@ -6,7 +6,8 @@ ps tasks by size; each ps task runs the updater of its own shard, applying the u
 optimizer, rebuilt there from its config.
 
 A training step of a worker is one push-and-receive per ps task: it pushes its gradients for
-the shard (with the non-trainable state, BatchNorm statistics), tagged with the global step
+the shard (with the change its steps made to the non-trainable state, BatchNorm statistics,
+since it last read it), tagged with the global step
 of the weights it computed them on, and takes the reply: the shard's weights after the update
 its push joined, the new global step and the telemetry. Model averaging
 (`tfdist.strategies.model_averaging`) pushes the model every `period` steps instead, on the
@@ -64,7 +65,10 @@ class ParameterServerStrategyBase(WorkerTasksMixin, tf.distribute.Strategy):
         On the chief, first waits until every other worker has left or died (at most
         `timeout` seconds, None: as long as they are alive), so that the weights are final.
         A worker whose server has not answered the ps tasks for `stall_timeout` (a stopped
-        process, a hung machine) is dead: `join()` does not wait for it.
+        process, a hung machine) is dead: `join()` does not wait for it. What the chief
+        wrote to the model after its last train step (`EarlyStopping(restore_best_weights=
+        True)` at the end of its `fit`, a `load_weights` before `join()`) is then written
+        again over the other workers' later updates: the model ends on the chief's choice.
         """
         self.extended.leave(wait=self.is_chief, timeout=timeout)
 
