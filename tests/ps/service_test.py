@@ -10,6 +10,7 @@ import types
 
 import tensorflow as tf
 
+from tfdist.cluster import ClusterConfig
 from tfdist.ps import protocol
 from tfdist.ps import wire
 from tfdist.ps.client import RunError
@@ -19,6 +20,7 @@ from tfdist.ps.membership import control_message
 from tfdist.ps.service import PSService
 from tfdist.ps.service import refused_import
 from tfdist.ps.spec import ShardSpec
+from tfdist.ps.worker import job_id
 
 DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"
 # Two ps tasks in one process: each on a logical CPU of its own (tests/conftest.py makes
@@ -233,6 +235,18 @@ class RunOwnershipTest(tf.test.TestCase):
         self.assertFalse(answer["finished"])
         self.assertIsNot(service.current, run)
         self.addCleanup(self.stop, service.current)
+
+    def test_a_job_is_named_by_its_launch_or_else_by_its_cluster(self):
+        cluster = {"ps": ["h:1"], "worker": ["h:2", "h:3"]}
+        chief, other = (ClusterConfig(cluster, "worker", index) for index in (0, 1))
+        self.assertEqual(job_id(chief, {"TFDIST_JOB_ID": " launch-7 "}), "launch-7")
+        # Unnamed: every task of one cluster (a restarted one too) is one job; another
+        # cluster is another job.
+        named = job_id(chief, {})
+        self.assertRegex(named, r"^cluster-[0-9a-f]{16}$")
+        self.assertEqual(job_id(other, {"TFDIST_JOB_ID": ""}), named)
+        moved = ClusterConfig({**cluster, "worker": ["h:2", "h:4"]}, "worker", 0)
+        self.assertNotEqual(job_id(moved, {}), named)
 
     def test_another_job_cannot_join_a_run_in_progress(self):
         service = PSService(types.SimpleNamespace(task_index=0), device=DEVICE)
