@@ -10,14 +10,23 @@ import types
 
 import tensorflow as tf
 
+from tfdist.cluster import ClusterConfig
+from tfdist.ps import protocol
 from tfdist.ps import wire
+from tfdist.ps.client import RunError
+from tfdist.ps.client import check_one_run
 from tfdist.ps.membership import BadControlMessage
 from tfdist.ps.membership import control_message
 from tfdist.ps.service import PSService
 from tfdist.ps.service import refused_import
 from tfdist.ps.spec import ShardSpec
+from tfdist.ps.worker import job_id
 
 DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"
+# Two ps tasks in one process: each on a logical CPU of its own (tests/conftest.py makes
+# three), so that their resources do not meet.
+TWO_DEVICES = ["/job:localhost/replica:0/task:0/device:CPU:1",
+               "/job:localhost/replica:0/task:0/device:CPU:2"]
 
 
 def spec(**fields):
@@ -31,9 +40,13 @@ def spec(**fields):
     return ShardSpec(**{**base, **fields})
 
 
-def hello(rank=0, **fields):
-    return wire.encode({"type": "hello", "rank": rank, "nonce": f"n{rank}",
-                        "spec": spec(**fields).to_json()})
+def hello(rank=0, job=None, nonce=None, **fields):
+    """A hello of worker `rank`; `job`: the job id its spec carries."""
+    sent = spec(**fields).to_json()
+    if job is not None:
+        sent["job"] = job
+    return wire.encode({"type": "hello", "rank": rank, "nonce": nonce or f"n{rank}",
+                        "spec": sent})
 
 
 class ControlMessageTest(tf.test.TestCase):
@@ -166,3 +179,117 @@ class ServiceTest(tf.test.TestCase):
 
 if __name__ == "__main__":
     tf.test.main()
+
+
+class RunOwnershipTest(tf.test.TestCase):
+    """Issue 22: a run belongs to a job. A chief back after its run finished takes the run's
+    final weights (it never initialises it again); a new job starts afresh; a ps restarted
+    empty under a run in progress is refused by the chief, naming it."""
+
+    def answer(self, service, rank):
+        return ServiceTest.answer(self, service, rank)
+
+    def start_run(self, service, job, **fields):
+        """Rank 0 starts a run of `job` and initialises its masters; rank 1 joins; both
+        train (their SYNC came). Returns the run."""
+        service.handle_control(hello(rank=0, job=job, **fields))
+        self.assertTrue(self.answer(service, 0)["initialize"])
+        run = service.current
+        with tf.device(service.device):
+            for master in run.masters.values():
+                master.assign([1.0, 2.0])
+        service.handle_control(hello(rank=1, job=job, **fields))
+        self.assertFalse(self.answer(service, 1)["initialize"])
+        for rank in (0, 1):
+            run.send_control(protocol.SYNC, rank)
+        self.addCleanup(self.stop, run)
+        return run
+
+    def stop(self, run):
+        """Ends the thread of `run` (a thread left in a TensorFlow call aborts the process at
+        exit): its update loop if it serves; a run waiting for a chief that never
+        initialises fails after its `init_timeout`."""
+        if not run.finished.is_set():
+            run.send_control(protocol.STOP, 0)
+        self.assertTrue(run.finished.wait(120))  # a bound against a hang
+
+    def test_a_chief_back_after_its_run_finished_takes_its_final_weights(self):
+        service = PSService(types.SimpleNamespace(task_index=0), device=DEVICE)
+        run = self.start_run(service, "job-1")
+        # The chief dies; worker 1 trains on, finishes and leaves: the run has ended.
+        with self.assertLogs("tfdist", "WARNING"):
+            run.send_control(protocol.DEAD, 0)
+            run.send_control(protocol.LEAVE, 1)
+            self.assertTrue(run.finished.wait(120))  # a bound against a hang
+        self.assertIsNone(run.failure)
+        # Its scheduler starts the chief again: it is told the run finished, and takes its
+        # final weights; nothing is initialised or torn down.
+        with self.assertLogs("tfdist", "WARNING") as logs:
+            service.handle_control(hello(rank=0, job="job-1", nonce="again"))
+        answer = self.answer(service, 0)
+        self.assertFalse(answer["initialize"])
+        self.assertTrue(answer["finished"])
+        self.assertEqual((answer["run"], answer["job"]), (run.run, "job-1"))
+        self.assertIs(service.current, run)
+        self.assertRegex(logs.output[0], r"/job:worker/task:0 came back to run \S+ of job "
+                                         r"'job-1' after it finished: it takes its final "
+                                         r"weights")
+        with tf.device(service.device):
+            self.assertAllEqual(run.masters["dense/kernel"].read_value(), [1.0, 2.0])
+        # Worker 1 left the finished run: its rank starts a new run (a new job of the same
+        # cluster), and so does another job's chief.
+        service.handle_control(hello(rank=0, job="job-2", nonce="new", init_timeout=1.0))
+        answer = self.answer(service, 0)
+        self.assertTrue(answer["initialize"])
+        self.assertFalse(answer["finished"])
+        self.assertIsNot(service.current, run)
+        self.addCleanup(self.stop, service.current)
+
+    def test_a_job_is_named_by_its_launch_or_else_by_its_cluster(self):
+        cluster = {"ps": ["h:1"], "worker": ["h:2", "h:3"]}
+        chief, other = (ClusterConfig(cluster, "worker", index) for index in (0, 1))
+        self.assertEqual(job_id(chief, {"TFDIST_JOB_ID": " launch-7 "}), "launch-7")
+        # Unnamed: every task of one cluster (a restarted one too) is one job; another
+        # cluster is another job.
+        named = job_id(chief, {})
+        self.assertRegex(named, r"^cluster-[0-9a-f]{16}$")
+        self.assertEqual(job_id(other, {"TFDIST_JOB_ID": ""}), named)
+        moved = ClusterConfig({**cluster, "worker": ["h:2", "h:4"]}, "worker", 0)
+        self.assertNotEqual(job_id(moved, {}), named)
+
+    def test_another_job_cannot_join_a_run_in_progress(self):
+        service = PSService(types.SimpleNamespace(task_index=0), device=DEVICE)
+        run = self.start_run(service, "job-a")
+        service.handle_control(hello(rank=1, job="job-b", nonce="b"))
+        self.assertRegex(self.answer(service, 1)["error"],
+                         r"/job:worker/task:1 is a worker of job 'job-b', but /job:ps/task:0 "
+                         r"holds run \S+ of job 'job-a' in progress \(ranks \[0, 1\] in it\)")
+        self.assertIs(service.current, run)
+
+    def test_a_ps_restarted_empty_under_a_run_in_progress_is_refused_naming_it(self):
+        # ps:0 holds a run in progress; ps:1 was restarted: a new process, empty. The chief,
+        # restarted too, says hello to both: ps:0 lets it rejoin, ps:1 would have it
+        # initialise its shard afresh (its optimizer's iterations included).
+        fields = dict(num_ps=2)
+        ps0 = PSService(types.SimpleNamespace(task_index=0), device=TWO_DEVICES[0])
+        self.start_run(ps0, "job-1", shard=0, **fields)
+        ps1 = PSService(types.SimpleNamespace(task_index=1), device=TWO_DEVICES[1])
+        ps0.handle_control(hello(rank=0, job="job-1", nonce="again", shard=0, **fields))
+        ps1.handle_control(hello(rank=0, job="job-1", nonce="again", shard=1, init_timeout=1.0,
+                                 **fields))
+        self.addCleanup(self.stop, ps1.current)
+        answers = [self.answer(ps0, 0), self.answer(ps1, 0)]
+        self.assertEqual([a["initialize"] for a in answers], [False, True])
+        with self.assertRaisesRegex(
+                RunError, r"/job:ps/task:1 at host:1 holds no run of job 'job-1' \(started "
+                          r"empty: a replacement ps task\?\), while /job:ps/task:0 at host:0 "
+                          r"holds run \S+ of job 'job-1' in progress.*Restart the job from the "
+                          r"chief's last checkpoint"):
+            check_one_run(answers, ["/job:ps/task:0", "/job:ps/task:1"], ["host:0", "host:1"],
+                          "job-1")
+        # Shards that agree pass: every one new, every one in progress, every one finished.
+        for state in ({"initialize": True}, {"initialize": False},
+                      {"initialize": False, "finished": True}):
+            agreeing = [{"run": f"r{shard}", "job": "job-1", **state} for shard in (0, 1)]
+            check_one_run(agreeing, ["/job:ps/task:0", "/job:ps/task:1"],
+                          ["host:0", "host:1"], "job-1")

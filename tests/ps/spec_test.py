@@ -38,7 +38,7 @@ class SpecTest(tf.test.TestCase):
                 "optimizer": {"class_name": "SGD", "config": {"learning_rate": 0.1}},
                 "outer_optimizer": None, "imports": ["my.module"], "compression": None,
                 "delta": False, "init_timeout": 30.0, "stall_timeout": 5.0,
-                "table_updates": "lazy"}
+                "table_updates": "lazy", "job": "a1b2"}
         typed = ShardSpec.from_json(sent)
         self.assertEqual(typed.to_json(), sent)
         self.assertEqual(ShardSpec.from_json(typed.to_json()), typed)
@@ -48,6 +48,15 @@ class SpecTest(tf.test.TestCase):
         self.assertEqual(kernel.shape, (4, 3))
         # A table kept on the ps: its part's rows, trained there.
         self.assertEqual((kept.rows, kept.table, kept.trainable), ((5, 10), True, True))
+
+    def test_the_job_travels_and_an_older_worker_names_none(self):
+        sent = spec([], job="a1b2").to_json()
+        self.assertEqual(ShardSpec.from_json(sent).job, "a1b2")
+        del sent["job"]
+        self.assertIsNone(ShardSpec.from_json(sent).job)
+        with self.assertRaisesRegex(ValueError, r"`job` must be a string or None. "
+                                                r"Received: 7"):
+            spec([], job=7)
 
     def test_stall_timeout_travels_and_is_checked(self):
         # A worker of an earlier release sends no stall_timeout: the default counts.

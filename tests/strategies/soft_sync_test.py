@@ -256,34 +256,59 @@ class DroppedGradientTest(tf.test.TestCase):
 
 class FaultTest(tf.test.TestCase, parameterized.TestCase):
 
-    def _kill_during_soft_sync(self, rank):
-        """Soft sync 2 of 3, 20 epochs; worker `rank` SIGKILLed after the first epoch."""
+    def _kill_during_soft_sync(self, rank, restart=False):
+        """Soft sync 2 of 3, 20 epochs; worker `rank` SIGKILLed after the first epoch (and,
+        with `restart`, started again once the others finished); returns `(out, cluster)`."""
         out = self.get_temp_dir()
+        survivors = [r for r in range(3) if r != rank]
         with make_cluster(out, 3, "--scenario=long", "--epochs=20",
                           "--strategy_arg=replicas_to_aggregate=2",
                           stop_on_failure=False) as cluster:
             wait_for_line(cluster, "READY")
             os.kill(cluster.pid(f"worker:{rank}"), signal.SIGKILL)
+            if restart:
+                # A worker writes its result after it left the run (`strategy.join()`).
+                for survivor in survivors:
+                    ps_program.wait_for_file(os.path.join(out, f"worker{survivor}.json"), 150)
+                cluster.restart(f"worker:{rank}")
             result = cluster.wait()
-        self.assertEqual(result.failed_task, f"worker:{rank}", cluster_log(cluster))
-        survivors = [r for r in range(3) if r != rank]
+        self.assertEqual(result.failed_task, None if restart else f"worker:{rank}",
+                         cluster_log(cluster))
         for survivor in survivors:
             self.assertEqual(result.task_returncodes[f"worker:{survivor}"], 0,
                              cluster_log(cluster))
             survived = load_result(out, f"worker{survivor}.json")
             self.assertEqual(len(survived["history"]["loss"]), 20)
             self.assertEqual(survived["progress"]["dead"], [rank])
-        return out
+        return out, cluster
 
     def test_soft_sync_survives_a_killed_worker(self):
-        out = self._kill_during_soft_sync(2)
+        out, _ = self._kill_during_soft_sync(2)
         self.assertEqual(load_result(out, "worker0.json")["dead"], [2])
 
-    def test_soft_sync_survives_the_killed_chief(self):
+    def test_soft_sync_survives_the_killed_chief_and_a_late_restart_takes_the_final_weights(
+            self):
         # The updaters live on the ps tasks: losing worker 0 leaves the others training.
-        out = self._kill_during_soft_sync(0)
-        steps = [load_result(out, f"worker{r}.json")["history"]["global_step"] for r in (1, 2)]
+        # Issue 22: started again (as by its scheduler) once workers 1 and 2 finished the
+        # run, the chief does not initialise a new run from fresh weights and train alone:
+        # it is told the run finished, takes its final weights, and its 20-epoch fit ends
+        # after one step that changes nothing.
+        out, cluster = self._kill_during_soft_sync(0, restart=True)
+        results = [load_result(out, f"worker{r}.json") for r in (1, 2)]
+        steps = [result["history"]["global_step"] for result in results]
         self.assertGreater(min(s[-1] for s in steps), min(s[0] for s in steps))
+        chief = load_result(out, "worker0.json")
+        self.assertLen(chief["history"]["loss"], 1, cluster_log(cluster))
+        self.assertEqual((chief["left"], chief["dead"]), ([1, 2], [0]))
+        # The weights of the last worker to leave are the run's final ones.
+        last = max(results, key=lambda result: result["progress"]["updates"])
+        self.assertEqual(chief["updates"], last["progress"]["updates"])
+        for got, want in zip(chief["weights"], last["local_weights"]):
+            self.assertAllEqual(got, want)
+        self.assertRegex(task_lines(cluster, "ps:0"), r"/job:worker/task:0 came back to run "
+                                                      r"\S+ of job '\w+' after it finished")
+        self.assertRegex(task_lines(cluster, "worker:0"), r"run \S+ of job '\w+' finished "
+                                                          r"while /job:worker/task:0 was away")
 
     def test_a_restarted_chief_takes_only_its_own_replies(self):
         # SSP (async, bound 4, wait): the chief is SIGKILLed while it waits for its reply, and

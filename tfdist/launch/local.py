@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from typing import Dict
 from typing import Optional
 
@@ -35,6 +36,7 @@ from tfdist.cluster import ClusterConfig
 from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import pick_free_ports
 from tfdist.cluster import wait_for_tasks
+from tfdist.cluster.network import JOB_ID_ENV
 from tfdist.launch.isolation import IsolationUnavailable
 from tfdist.launch.isolation import SwitchedNetwork
 from tfdist.launch.isolation import loopback_resolvers
@@ -116,7 +118,9 @@ class LocalCluster:
       num_workers: number of worker tasks, at least 1.
       timeout: seconds the whole run may take, or None.
       grace_period: seconds the other tasks get to finish on their own after one fails.
-      env: extra environment variables for every task.
+      env: extra environment variables for every task. `TFDIST_JOB_ID` is set to a new id
+        per cluster unless given here: its tasks, restarted ones included, are one job (a
+        run on the ps tasks belongs to one job).
       output: where prefixed output lines go (`sys.stdout` by default, None for nowhere).
       max_lines: how many of the latest output lines `lines` keeps, as `(task, text)`; older
         ones are dropped (counted in `dropped_lines`), so that memory stays bounded however
@@ -179,6 +183,7 @@ class LocalCluster:
                              f"{ps_imports!r}")
         self.ps_imports = list(ps_imports)
         self.env = dict(env or {})
+        self.env.setdefault(JOB_ID_ENV, uuid.uuid4().hex)
         self.output = output
         self.cwd = cwd
         self.stop_on_failure = stop_on_failure

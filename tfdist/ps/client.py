@@ -50,6 +50,46 @@ class Reply(typing.NamedTuple):
     dropped: typing.Any = False
 
 
+def check_one_run(answers, ps_names, ps_addresses, job):
+    """Raises `RunError` unless the hello answers of every ps task describe one run.
+
+    Each ps task decides on its own whether the worker joins a run in progress, starts one
+    (the chief then initialises its masters) or comes back to one that finished: a ps task
+    started again empty under a run in progress (or a finished one) would have the chief
+    initialise its shard afresh beside the others' trained ones, its optimizer's step
+    included. So every answer must say the same; the error names each ps task and what it
+    holds.
+
+    Args:
+      answers: the answers of the ps tasks' hellos, in ps order.
+      ps_names, ps_addresses: each ps task's name and address.
+      job: this worker's job id.
+    """
+
+    def state(answer):
+        if answer.get("finished"):
+            return "finished"
+        return "initialize" if answer["initialize"] else "in progress"
+
+    states = [state(a) for a in answers]
+    if len(set(states)) <= 1:
+        return
+    held = {"initialize": f"holds no run of job {job!r} (started empty: a replacement ps "
+                          "task?)",
+            "in progress": "holds run {run} of job {job!r} in progress",
+            "finished": "holds run {run} of job {job!r}, finished"}
+    shards = ", while ".join(
+        f"{name} at {address} " + held[s].format(run=a.get("run"), job=a.get("job"))
+        for name, address, a, s in sorted(zip(ps_names, ps_addresses, answers, states),
+                                           key=lambda t: t[3] != "initialize"))
+    raise RunError(
+        f"the ps tasks do not hold one run: {shards}. A run cannot go on with some shards "
+        "trained and others fresh: the shards of the ps tasks without the run are lost, "
+        "optimizer state included. Restart the job from the chief's last checkpoint: stop "
+        "every worker (each ps task ends its run once none is left) and start them again, "
+        "or restart every ps task")
+
+
 class ShardClient:
     """Talks to ps task `shard`: hello, then pushes and replies within its run.
 

@@ -102,6 +102,8 @@ class ModelPush(Push):
         engine = self.engine
         if engine._clients is None:
             engine._ensure_run()
+        if engine.run_finished:
+            return  # nothing trains any more: no round (`join()` takes the final weights)
         count = self._local_steps.assign_add(1)
         since = self._round_steps.assign_add(1)
         with tf.control_dependencies([since]):

@@ -216,6 +216,8 @@ class GradientPush(Push):
         # compressor codes dense vectors.
         sparse = [v for v, g in step.recorded if isinstance(g, tf.IndexedSlices)]
         engine._ensure_run(variables, sparse if engine._codec is None else ())
+        if engine.run_finished:
+            return  # nothing trains any more: this step pushes nothing
         frozen = [v._tfdist_path for v in variables
                   if v._tfdist_role not in (protocol.GRADIENT, protocol.TABLE)]
         if frozen:

@@ -15,11 +15,19 @@ a `ShardRun` whose thread:
    dies (`tfdist.ps.membership`),
 4. when every worker has left or died, destroys the run's resources.
 
+A run belongs to the job whose worker started it (`ShardSpec.job`): a worker of another job
+is refused while it is in progress, and a worker of its job that died in it and comes back
+after it finished (a chief restarted by its scheduler) is told so and takes its final
+weights, instead of starting the job again; any other hello after a run ended starts a new
+one. A ps task cannot know what the other shards hold: a chief told to initialise some
+shards but not others refuses the run (`tfdist.ps.client.check_one_run`).
+
 Nothing in a ps waits for a particular worker: the chief's death does not stop a soft-sync
 job. A worker's death is noticed by the service's `LivenessWatcher`; with N = M (hard sync)
 the others are then stopped with an error that names it.
 """
 
+import itertools
 import logging
 import threading
 import time
@@ -35,6 +43,9 @@ from tfdist.ps.membership import Membership
 from tfdist.ps.membership import check_rank
 from tfdist.ps.membership import control_message
 from tfdist.ps.policies import policy_from_spec
+from tfdist.ps.protocol import DIED
+from tfdist.ps.protocol import EXPECTED
+from tfdist.ps.protocol import LEFT
 from tfdist.ps.protocol import LIVE
 from tfdist.ps.shard_optimizer import RunFailed
 from tfdist.ps.spec import ShardSpec
@@ -46,6 +57,10 @@ log = logging.getLogger("tfdist")
 
 # The packages whose modules a worker's spec may name without a `--ps_import`.
 OWN_MODULES = ("keras", "tfdist")
+
+# Numbers the runs of this process: two services of one process (a test's) never share a
+# run's resources.
+_run_numbers = itertools.count(1)
 
 
 class ShardRun:
@@ -90,6 +105,27 @@ class ShardRun:
     @property
     def closing(self):
         return self.members.closing
+
+    @property
+    def job(self):
+        """The id of the job the run belongs to (its first hello's)."""
+        return self.spec.job
+
+    def in_progress(self):
+        """Under the service's lock: whether the run still takes workers."""
+        return not (self.closing or self.finished.is_set())
+
+    def finished_without(self, rank, job):
+        """Whether worker `rank` of `job`, saying hello after this run ended, is one of its
+        workers that never came back to it: the run is `job`'s, it finished (did not fail),
+        at least one worker saw it through (left), and `rank` died in it (or never joined).
+
+        Such a worker takes the run's final weights: a chief restarted by its scheduler
+        after the others finished must not start the job again from its backup.
+        """
+        status = self.members.status
+        return (self.finished.is_set() and self.failure is None and self.graph is not None
+                and job == self.job and LEFT in status and status[rank] in (DIED, EXPECTED))
 
     # Control entries from other threads ---------------------------------------------------
 
@@ -323,7 +359,6 @@ class PSService:
         self.task = f"/job:ps/task:{config.task_index}"
         self.device = device or f"/job:ps/replica:0/task:{config.task_index}/device:CPU:0"
         self.current = None
-        self._runs = 0
         self._stop = threading.Event()
         # Orders "a worker joins the current run" against "the run ends".
         self.lock = threading.Lock()
@@ -416,26 +451,60 @@ class PSService:
             return
         with self.lock:
             run = self.current
-            if run is not None and not (run.closing or run.finished.is_set()):
-                difference = run.spec.difference(spec)
-                if difference is not None:
-                    self._answer(rank, {"nonce": message["nonce"], "error": (
-                        f"{spec.worker_tasks[rank]} does not fit run {run.run} on "
-                        f"{self.task}: {difference}. Every worker must build the same model "
-                        "and optimizer under the strategy's scope")})
+            if run is not None and run.in_progress():
+                refused = self._refusal(run, spec, rank)
+                if refused is not None:
+                    self._answer(rank, {"nonce": message["nonce"], "error": refused})
                     return
             if run is not None and not run.admit(rank):
                 run = None
+        if run is None and self.current is not None:
+            self.current.finished.wait(timeout=30)  # a closing run records its end
+            ended = self.current
+            if ended.finished_without(rank, spec.job):
+                self._hand_over(ended, spec, rank, message["nonce"])
+                return
+            ended.teardown()
         if run is None:
-            if self.current is not None:
-                self.current.finished.wait(timeout=30)  # a closing run records its end
-                self.current.teardown()
-            self._runs += 1
-            run = ShardRun(self, f"{int(time.time())}-{self._runs}", spec)
+            run = ShardRun(self, f"{int(time.time())}-{next(_run_numbers)}", spec)
             self.current = run
             run.start()
-            log.info("tfdist: %s: run %s started by %s", self.task, run.run,
-                     spec.worker_tasks[rank])
+            log.info("tfdist: %s: run %s of job %r started by %s", self.task, run.run,
+                     run.job, spec.worker_tasks[rank])
         initialize = rank == 0 and not all(is_initialized(v) for v in run.masters.values())
-        self._answer(rank, {"nonce": message["nonce"], "run": run.run,
-                            "initialize": initialize, "error": run.failure})
+        self._answer(rank, {"nonce": message["nonce"], "run": run.run, "job": run.job,
+                            "initialize": initialize, "finished": False,
+                            "error": run.failure})
+
+    def _refusal(self, run, spec, rank):
+        """None if worker `rank` (of `spec`) may join `run`, in progress; else why not."""
+        task = spec.worker_tasks[rank]
+        if spec.job != run.job:
+            in_run = [r for r, s in enumerate(run.members.status) if s in (EXPECTED, LIVE)]
+            return (f"{task} is a worker of job {spec.job!r}, but {self.task} holds run "
+                    f"{run.run} of job {run.job!r} in progress (ranks {in_run} in it): a run "
+                    "belongs to one job, and one run at a time is served. Wait until that "
+                    "run ends (each ps task ends it once none of its workers is left: a "
+                    "killed one is noticed within seconds, a hung one after its "
+                    "stall_timeout), or restart the ps tasks")
+        difference = run.spec.difference(spec)
+        if difference is not None:
+            return (f"{task} does not fit run {run.run} on {self.task}: {difference}. Every "
+                    "worker must build the same model and optimizer under the strategy's "
+                    "scope")
+        return None
+
+    def _hand_over(self, run, spec, rank, nonce):
+        """Tells worker `rank`, back after `run` of its job finished, to take the run's final
+        weights (the run is kept for it: its masters stay readable)."""
+        difference = run.spec.difference(spec)
+        if difference is not None:
+            self._answer(rank, {"nonce": nonce, "error": (
+                f"{spec.worker_tasks[rank]} does not fit run {run.run} on {self.task}, "
+                f"which its job finished while it was away: {difference}")})
+            return
+        log.warning("tfdist: %s: %s came back to run %s of job %r after it finished: it "
+                    "takes its final weights (no new run starts)", self.task,
+                    spec.worker_tasks[rank], run.run, run.job)
+        self._answer(rank, {"nonce": nonce, "run": run.run, "job": run.job,
+                            "initialize": False, "finished": True, "error": None})

@@ -137,6 +137,8 @@ class ShardSpec:
         that started the run counts).
       table_updates: how the ps updates the rows of its tables: "lazy" (the rows a push
         touched, `tfdist.ps.rowwise`) or "dense" (every row, by the optimizer's own apply).
+      job: the id of the worker's job (`tfdist.ps.worker.job_id`): a run belongs to the job
+        whose worker started it, on every ps task. None: an older worker's, which names none.
     """
 
     mode: str
@@ -155,12 +157,15 @@ class ShardSpec:
     init_timeout: float = 60.0
     stall_timeout: float = DEFAULT_STALL_TIMEOUT
     table_updates: str = "lazy"
+    job: Optional[str] = None
 
     def __post_init__(self):
         object.__setattr__(self, "variables", tuple(entry_of(e) for e in self.variables))
         for name in ("worker_tasks", "worker_addresses", "imports"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         check_seconds("stall_timeout", self.stall_timeout)  # a hello's spec is checked too
+        if self.job is not None and not isinstance(self.job, str):
+            raise ValueError(f"`job` must be a string or None. Received: {self.job!r}")
 
     def to_json(self):
         return {"mode": self.mode, "policy": self.policy, "num_workers": self.num_workers,
@@ -170,7 +175,8 @@ class ShardSpec:
                 "optimizer": self.optimizer, "outer_optimizer": self.outer_optimizer,
                 "imports": list(self.imports), "compression": self.compression,
                 "delta": self.delta, "init_timeout": self.init_timeout,
-                "stall_timeout": self.stall_timeout, "table_updates": self.table_updates}
+                "stall_timeout": self.stall_timeout, "table_updates": self.table_updates,
+                "job": self.job}
 
     @classmethod
     def from_json(cls, spec):
@@ -183,7 +189,7 @@ class ShardSpec:
                    imports=spec.get("imports", ()), compression=spec.get("compression"),
                    delta=spec.get("delta", False), init_timeout=spec["init_timeout"],
                    stall_timeout=spec.get("stall_timeout", DEFAULT_STALL_TIMEOUT),
-                   table_updates=spec.get("table_updates", "lazy"))
+                   table_updates=spec.get("table_updates", "lazy"), job=spec.get("job"))
 
     def difference(self, other):
         """None if a worker's spec `other` fits this run's spec, else what differs (for its

@@ -14,7 +14,10 @@ the masters, leaving. What a step pushes, and so what a variable is for, is its 
 
 import atexit
 import contextlib
+import hashlib
+import json
 import logging
+import os
 import threading
 import time
 
@@ -26,6 +29,7 @@ from tfdist._process import end_with_last_word
 from tfdist._worker import BetweenGraphExtendedMixin
 from tfdist.cluster.network import CONNECT_TIMEOUT_ENV
 from tfdist.cluster.network import INIT_TIMEOUT_ENV
+from tfdist.cluster.network import JOB_ID_ENV
 from tfdist.cluster.network import STALL_TIMEOUT_ENV
 from tfdist.cluster.network import timeout_from_env
 from tfdist.ps import placement
@@ -35,6 +39,7 @@ from tfdist.ps import tables as tables_lib
 from tfdist.ps import wire
 from tfdist.ps.client import RunError
 from tfdist.ps.client import ShardClient
+from tfdist.ps.client import check_one_run
 from tfdist.ps.connection import PSConnection
 from tfdist.ps.connection import PSWatchdog
 from tfdist.ps.push import check_split
@@ -50,6 +55,20 @@ from tfdist.ps.variables import Part
 from tfdist.ps.variables import replica_step
 
 log = logging.getLogger("tfdist")
+
+
+def job_id(config, environ=None):
+    """The id of the job this task belongs to: `TFDIST_JOB_ID` where set (`tfdist-launch` and
+    `LocalCluster` set a new one per launch, kept by a restarted task), else one made from
+    the cluster's addresses, the same for every task of the cluster and across restarts."""
+    environ = os.environ if environ is None else environ
+    named = environ.get(JOB_ID_ENV, "").strip()
+    if named:
+        return named
+    cluster = json.dumps({job: list(addresses.values()) if isinstance(addresses, dict)
+                          else list(addresses) for job, addresses in config.cluster.items()},
+                         sort_keys=True)
+    return "cluster-" + hashlib.sha256(cluster.encode()).hexdigest()[:16]
 
 
 class _Step:
@@ -110,6 +129,10 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         self._row_parts = None
         self._layouts = None
         self._left = False
+        self._job = job_id(config)
+        # The run had finished when this worker said hello (it died in it and came back):
+        # it holds the run's final weights and trains no more.
+        self.run_finished = False
         self._codec = (None if compressor is None
                        else PushCodec(compressor, container_strategy, connection))
         with tf.init_scope(), tf.device(connection.host_device):
@@ -214,6 +237,11 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             self._tls.step = previous
         if previous is None and not tf.executing_eagerly():
             self._tables.check_step()
+        if previous is None and self.run_finished and step.trained:
+            model = _tf_compat.keras_model_of_step(fn)
+            if model is not None:
+                model.stop_training = True  # `fit` ends after this (untrained) step
+            return result
         if previous is not None:
             # A nested call (a LossScaleOptimizer applies in its own replica call): the
             # outer step's logs tell what it did.
@@ -284,36 +312,57 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             for shard, client in enumerate(clients):
                 answers.append(client.hello(self._spec(shard, entries[shard]),
                                             timeout=self._init_timeout))
-            if any(a["initialize"] for a in answers):
+            # Refused: this worker exits, and each ps task then counts it dead.
+            check_one_run(answers, self._connection.ps_names, self._connection.ps_addresses,
+                          self._job)
+            self.run_finished = bool(answers[0].get("finished"))
+            if self.run_finished:
+                log.warning("tfdist: run %s of job %r finished while %s was away: it takes "
+                            "the run's final weights and trains no more (its fit ends after "
+                            "this step)", answers[0]["run"], self._job,
+                            self._connection.task_name)
+            initialize = [a["initialize"] for a in answers]
+            if any(initialize):
                 log.info("tfdist: %s initialises the run's master variables",
                          self._connection.task_name)
                 self._tables.initialize()  # on the ps tasks
-            mirrors = {v._tfdist_path: v for v in self._mirrors}
-            with replica_step():  # the chief's own values, read before any is bound
-                initial = ({path: v.read_value() for path, v in mirrors.items()}
-                           if any(a["initialize"] for a in answers) else {})
-            for shard, (client, answer) in enumerate(zip(clients, answers)):
-                for path, places in self._placement.items():
-                    variable = mirrors[path]
-                    for rows in (rows for s, rows in places if s == shard):
-                        master = client.masters[path]
-                        if answer["initialize"]:
-                            master.assign(Part(variable, rows).take(initial[path]),
-                                          read_value=False)
-                        variable.bind(master, rows)
-                        self._after_bind(variable)
-            self._tables.joined(any(a["initialize"] for a in answers))
+            self._bind_mirrors(clients, initialize)
+            self._tables.joined(any(initialize))
             # A checkpoint reads each table part with the rest of its shard, between two
             # updates (`tfdist.ps.snapshot`).
             for client, parts in zip(clients, self._tables.part_masters(num_ps)):
                 client.snapshot.add_tables(parts)
             self._clients = clients
             self._layouts = [protocol.ShardLayout(e) for e in entries]
+            if self.run_finished:
+                self._take_masters()  # nothing trains any more: no push queue, no sync
+                return
             for client, layout in zip(clients, self._layouts):
                 dtypes = (self._codec.queue_dtypes(layout) if self._codec is not None
                           else [tf.float32])
                 client.open_push_queue(dtypes, layout.num_row_pairs)
-            self._pull(copy_tables=not any(a["initialize"] for a in answers))
+            self._pull(copy_tables=not any(initialize))
+
+    def _bind_mirrors(self, clients, initialize):
+        """Binds every mirror to its masters on `clients`' ps tasks; those of the shards
+        where `initialize[shard]` first take this worker's own values (the chief's)."""
+        mirrors = {v._tfdist_path: v for v in self._mirrors}
+        with replica_step():  # the chief's own values, read before any is bound
+            initial = ({path: v.read_value() for path, v in mirrors.items()}
+                       if any(initialize) else {})
+        for shard, client in enumerate(clients):
+            for path, places in self._placement.items():
+                variable = mirrors[path]
+                for rows in (rows for s, rows in places if s == shard):
+                    master = client.masters[path]
+                    if initialize[shard]:
+                        master.assign(Part(variable, rows).take(initial[path]),
+                                      read_value=False)
+                    variable.bind(master, rows)
+                    if self.run_finished:
+                        variable.follow()  # nobody's writes reach a finished run's masters
+                    else:
+                        self._after_bind(variable)
 
     def _after_bind(self, variable):
         """Every worker runs the user's callbacks; only the chief's eager writes reach the
@@ -391,7 +440,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                          compression=None if self._codec is None else self._codec.spec(),
                          init_timeout=self._init_timeout,
                          stall_timeout=self._stall_timeout,
-                         table_updates=self._tables.updates)
+                         table_updates=self._tables.updates, job=self._job)
 
     def _pull(self, copy_tables=True):
         """Takes the current master weights of every shard (eagerly); `copy_tables`: the
@@ -490,6 +539,9 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             return
         self._left = True
         try:
+            if self.run_finished:
+                self._take_masters()  # nobody trains: they are the final weights
+                return
             if self._clients is None:
                 for shard in range(self._connection.num_ps):
                     ShardClient(self._connection, shard).absent()
