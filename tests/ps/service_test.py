@@ -33,8 +33,13 @@ def spec(**fields):
     base = dict(mode="gradients", policy={"name": "async", "staleness": "none"},
                 num_workers=2, worker_tasks=["/job:worker/task:0", "/job:worker/task:1"],
                 worker_addresses=["localhost:1", "localhost:2"], num_ps=1, shard=0,
+                # (With the masters of the optimizer's own variables, as a worker's spec has.)
                 variables=[{"path": "dense/kernel", "shape": [2], "dtype": "float32",
-                            "role": "gradient"}],
+                            "role": "gradient"},
+                           {"path": "sgd/iteration", "shape": [], "dtype": "int64",
+                            "role": "optimizer"},
+                           {"path": "sgd/learning_rate", "shape": [], "dtype": "float32",
+                            "role": "optimizer"}],
                 optimizer={"class_name": "SGD", "config": {"learning_rate": 0.1}},
                 init_timeout=60.0)
     return ShardSpec(**{**base, **fields})
@@ -196,8 +201,9 @@ class RunOwnershipTest(tf.test.TestCase):
         self.assertTrue(self.answer(service, 0)["initialize"])
         run = service.current
         with tf.device(service.device):
-            for master in run.masters.values():
-                master.assign([1.0, 2.0])
+            run.masters["dense/kernel"].assign([1.0, 2.0])
+            run.masters["sgd/iteration"].assign(0)
+            run.masters["sgd/learning_rate"].assign(0.1)
         service.handle_control(hello(rank=1, job=job, **fields))
         self.assertFalse(self.answer(service, 1)["initialize"])
         for rank in (0, 1):

@@ -700,6 +700,7 @@ def worker_of(shard, rank, compressor=None):
     engine._connection = connection
     engine._steps_trained = tf.Variable(0, dtype=tf.int64)
     engine._chief_writes = {}
+    engine.run_finished = False
     mirrors = {}
     for e in shard.layout.main + shard.layout.values:
         mirrors[e.path] = MirrorVariable.create(e.path, e.role,
