@@ -128,8 +128,13 @@ class LocalClusterTest(tf.test.TestCase):
                           output=None, grace_period=0.5, timeout=RUN_TIMEOUT,
                           isolate_network=False) as cluster:
             time.sleep(0.5)
+            self.assertIsNone(cluster.returncode("worker:1"))
             os.kill(cluster.pid("worker:1"), signal.SIGKILL)
             start = time.monotonic()
+            while cluster.returncode("worker:1") is None:
+                self.assertLess(time.monotonic() - start, 10)
+                time.sleep(0.05)
+            self.assertEqual(cluster.returncode("worker:1"), -signal.SIGKILL)
             result = cluster.wait()
             self.assertLess(time.monotonic() - start, 10)
         self.assertEqual(result.failed_task, "worker:1")
@@ -174,6 +179,7 @@ class LocalClusterTest(tf.test.TestCase):
             first = cluster.pid("worker:0")
             cluster.restart("worker:0")
             self.assertNotEqual(cluster.pid("worker:0"), first)
+            self.assertIsNone(cluster.returncode("worker:0"))  # the new process's
             self.assertFalse(_alive(first))
             result = cluster.wait()
         self.assertEqual(result.returncode, 0, cluster.lines)
