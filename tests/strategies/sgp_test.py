@@ -273,6 +273,8 @@ class ClusterTest(tf.test.TestCase):
             # 6 x 2 + 6 x 1 in the steps; worker 1 takes worker 0's 13th-step message (hub 0
             # sends to 1) in its join.
             self.assertEqual(worker["before_join"]["messages_received"], 18)
+            # ... and after it, every message sent to it (the sum equals the sends, 55).
+            self.assertEqual(worker["progress"]["messages_received"], 19 if rank == 1 else 18)
             # 6 steps to 2 peers, 6 (worker 0: 7) to 1; 4 bytes x (7 head words + 178
             # parameters) each.
             self.assertEqual(worker["progress"]["bytes_sent"],

@@ -414,6 +414,9 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
             x, weight = state.x / state.weight, state.weight
         _assign_flat(self._variables, x)
         self._weight.assign(weight)
+        # The training messages taken here count in `messages_received` as the steps' do.
+        taken = int(np.sum(state.consumed - self._consumed.numpy()))
+        self._stats.assign(self._stats.numpy() + np.array([taken, 0, 0, 0, 0], np.int64))
         self._consumed.assign(state.consumed)
         self._peer_steps = [state.peer_steps.get(r) for r in range(num_workers)]
 

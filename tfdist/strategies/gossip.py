@@ -115,9 +115,11 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
                          "message_delay_max", "gossip_waits")
 
     def progress(self):
-        """This worker's gossip: its step, push_sum_weight, messages_received,
-        messages_late, message_delay_max, gossip_waits, bytes_sent (the messages this
-        worker's courier carries, one per out-peer) and, after `join`, peer_steps (the
-        training steps each peer took, by rank) and with a final average final_weight_sum
-        (the push-sum mass of all the workers, num_workers in exact arithmetic)."""
+        """This worker's gossip: its step, push_sum_weight, messages_received (the
+        training messages it took, in its steps and in `join`: summed over the workers
+        after `join`, what they sent), messages_late, message_delay_max, gossip_waits,
+        bytes_sent (the messages this worker's courier carries, one per out-peer) and,
+        after `join`, peer_steps (the training steps each peer took, by rank) and with a
+        final average final_weight_sum (the push-sum mass of all the workers, num_workers
+        in exact arithmetic)."""
         return self.extended.progress()
