@@ -57,6 +57,7 @@ import time
 import embedding_job as job
 from absl import app
 from absl import flags
+from machine import apply_quick
 from machine import available_memory_bytes
 from machine import finish
 from machine import load_note
@@ -338,17 +339,10 @@ QUICK = {"rows": ["100000", "1000000"], "workers": ["2"], "ps": ["1"], "repeats"
          "warmup": 2.0, "window": 6.0, "quality_examples": 12800}
 
 
-def _apply_quick():
-    """`--quick`'s settings, where the command line does not set them."""
-    if FLAGS.quick:
-        for name, value in QUICK.items():
-            if not FLAGS[name].present:
-                FLAGS[name].value = value
-
-
 def main(argv):
     del argv
-    _apply_quick()
+    if FLAGS.quick:
+        apply_quick(QUICK)
     rows_list, cells = [int(v) for v in FLAGS.rows], _cells()
     settings = ({name: FLAGS[name].value for name in
                  ("rows", "workers", "ps", "systems", "repeats", "warmup", "window",

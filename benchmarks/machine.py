@@ -72,6 +72,16 @@ def script_settings():
     return {flag.name: flag.value for flag in own}
 
 
+def apply_quick(settings):
+    """Gives each flag of `settings` (`{flag name: value}`: a benchmark's `--quick` size) its
+    value there, unless the command line set it."""
+    from absl import flags
+
+    for name, value in settings.items():
+        if not flags.FLAGS[name].present:
+            flags.FLAGS[name].value = value
+
+
 def commit_label(run_stamp):
     """"<12 hex digits>", with "+dirty" where the tree had uncommitted changes; "not
     recorded" for results without a stamp."""

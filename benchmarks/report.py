@@ -648,6 +648,88 @@ def straggler_section(straggler):
     return parts + [_table(header, rows), "", "![straggler](straggler.png)", ""]
 
 
+def _fault_outcome(run):
+    """"finished", "failed: <task> exit <code>: <its error>", or "did not end: <tasks> still
+    running"."""
+    if run.get("error"):
+        return "not run: " + run["error"][:100]
+    if not run["ended"]:
+        return f"did not end: {', '.join(run['still_running'])} still running"
+    faulted = set(run.get("stopped_for_good", ())) | set(run.get("killed", ()))
+    failed = [(task, code) for task, code in sorted(run["exit_codes"].items())
+              if code not in (0, None) and task not in faulted]
+    if not failed:
+        return "finished"
+    task, code = failed[0]
+    error = (run.get("errors") or {}).get(task)
+    more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+    return (f"failed: {task} exit {code}{more}" + (f": {error[:120]}" if error else "")
+            ).replace("|", "/")
+
+
+def _fault_updates(run):
+    """The update count's verdict and its figures."""
+    verdict = run.get("updates", "")
+    if "pushes_applied" in run:
+        return (f"{verdict}: {run['pushes_sent']:,} sent, {run['pushes_applied']:,} applied + "
+                f"{run['pushes_dropped']:,} dropped")
+    if "messages_sent" in run:
+        mass = run.get("final_weight_sum")
+        return (f"{verdict}: {run['messages_sent']:,} messages sent, {run['messages_taken']:,}"
+                f" taken; mass {'?' if mass is None else f'{mass:.4f}'}")
+    return verdict
+
+
+def faults_section(result):
+    """Faults on a running job (`benchmarks/faults.py`): did it end, how long after the
+    fault, at what accuracy against the fault-free run, was an update lost or applied
+    twice."""
+    settings = result["settings"]
+    parts = ["## Faults on a running job", ""]
+    if settings.get("quick"):
+        parts += ["**Quick size** (`--quick`: a few scenarios, short epochs, tasks forked from "
+                  "a preloaded server): a check of the harness; its figures are not for "
+                  "quoting.", ""]
+    parts += [f"`benchmarks/faults.py`: {settings['num_workers']} workers, {result['job']}; "
+              f"soft sync and async with 1 ps and `stall_timeout={settings['stall_timeout']:g}`"
+              ", SGP with its defaults and no ps. The fault hits the chief (worker 0) or the "
+              f"last worker once it has trained {settings['fault_epoch']} of its "
+              f"{settings['epochs']} epochs: kill = SIGKILL; restart = SIGKILL, then the task "
+              f"started again {settings['restart_delay']:g} s later with the same TF_CONFIG "
+              f"(its `BackupAndRestore` resumes it); pause = SIGSTOP, SIGCONT "
+              f"{settings['pause']:g} s later; hang = SIGSTOP for good. Ended: every worker "
+              "not stopped for good exited, within "
+              f"{settings['end_timeout']:g} s plus the fault-free run's time after the fault "
+              "(seconds after the fault; the whole job's in brackets). Accuracy: held-out, of "
+              "the chief's model after `join()` (or the first surviving worker's), points "
+              "against the fault-free run's. Updates: the steps the workers completed (each "
+              "pushes once; summed over the processes, killed ones included) against the "
+              "pushes the ps applied and dropped as stale; \"ok\": none lost, none applied "
+              "twice (a process killed or stopped mid-step may have had one push on its "
+              "way); SGP: the messages sent against those taken, and the push-sum mass after "
+              "the final average (M when no share was lost or taken twice). One run per "
+              "cell." + _load_text(result), ""]
+    header = ["strategy", "fault", "ended", "s after the fault (job)", "outcome",
+              "accuracy (points)", "updates"]
+    rows = []
+    for name, runs in result["strategies"].items():
+        reference = runs.get("no fault", {}).get("accuracy")
+        for scenario, run in runs.items():
+            accuracy = run.get("accuracy")
+            if accuracy is None:
+                accuracy_text = "none"
+            elif scenario == "no fault" or reference is None:
+                accuracy_text = f"{accuracy:.3f}"
+            else:
+                accuracy_text = f"{accuracy:.3f} ({100 * (accuracy - reference):+.1f})"
+            after = run.get("seconds_after_fault")
+            timing = (f"{run['job_seconds']:g}" if after is None
+                      else f"{after:g} ({run['job_seconds']:g})")
+            rows.append([name, scenario, "yes" if run.get("ended") else "no", timing,
+                         _fault_outcome(run), accuracy_text, _fault_updates(run)])
+    return parts + [_table(header, rows), ""]
+
+
 def outer_note(outer):
     """What the "outer" rows of the accuracy table ran (model averaging's outer optimizer)."""
     if outer is None:
@@ -809,6 +891,10 @@ def write_report(out_dir, bandwidth_gbit=10.0, latency_us=50.0):
         parts += _with_commit(sgp_network_section(sgp), {
             f"timing/{setting}": part_commit(sgp, f"timing/{setting}")
             for setting in sgp.get("timing", {})})
+    if "faults.json" in present:
+        faults = _load("faults.json")
+        parts += _with_commit(faults_section(faults),
+                              {"faults.json": commit_label(faults.get("stamp"))})
     # `embedding.py --out=results/embedding_<name>`: a run of its own (repeats of one cluster
     # shape, say), a section and a plot of its own.
     for name in sorted(n for n in present if n.startswith("embedding")):

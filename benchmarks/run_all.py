@@ -4,8 +4,9 @@
     python benchmarks/run_all.py --size=full --peer_python=PEER/bin/python   # hours
 
 Runs rates, straggler, quality, scaling, compression, network (compression on a switched,
-rate-limited network), network_sgp (Stochastic Gradient Push there) and embedding (embedding
-tables on the ps against table size, `--quick` at the quick size), each writing a fresh
+rate-limited network), network_sgp (Stochastic Gradient Push there), embedding (embedding
+tables on the ps against table size, `--quick` at the quick size) and faults (workers killed,
+stopped and restarted under a running job, `--quick` at the quick size), each writing a fresh
 JSON into --out_dir (an earlier file of the same name is removed first, so nothing of an
 earlier run is kept), each stamped with the commit (and whether the tree was dirty), the
 machine, the load before and after and its settings (`machine.stamp`); then `report.py`
@@ -36,7 +37,7 @@ flags.DEFINE_string("peer_python", None, "Python of an environment with tensorfl
                     "tf_keras, for the ParameterServerStrategy rows of the rates and "
                     "embedding tables (benchmarks/tf_keras_peer.py). None: no peer rows.")
 flags.DEFINE_list("only", [], "Run only these benchmarks (rates, straggler, quality, scaling, "
-                  "compression, network, network_sgp, embedding); the report is written "
+                  "compression, network, network_sgp, embedding, faults); the report is written "
                   "from whatever JSON --out_dir holds, and refuses tables whose commits "
                   "differ.")
 flags.DEFINE_float("run_timeout", 4 * 3600.0, "Seconds each benchmark may take.")
@@ -76,6 +77,7 @@ BENCHMARKS = {
         "full": ["--sgp", "--compressors=none", "--workers=4", "--bandwidths=100mbit",
                  "--parts=timing"]}),
     "embedding": ("embedding.py", {"quick": ["--quick"], "full": []}),
+    "faults": ("faults.py", {"quick": ["--quick"], "full": []}),
 }
 PEER_BENCHMARKS = ("rates", "embedding")  # those given --peer_python
 SCALING = {"quick": ([1, 2], 2.0), "full": ([1, 2, 4, 8], 10.0)}

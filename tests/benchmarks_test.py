@@ -257,3 +257,77 @@ class EmbeddingReportTest(tf.test.TestCase):
                       "workers, 1 ps\n\nMeasured at commit", text)
         self.assertIn("![embedding](embedding_repeats.png)", text)
         self.assertGreater(os.path.getsize(os.path.join(out, "embedding_repeats.png")), 1000)
+
+
+def _faults_fixture():
+    """A small `faults.json`: soft sync without a fault, the chief killed (finished, one push
+    on its way), a worker hung (did not end); SGP without a fault and a worker killed."""
+    def run(scenario, faulted, ended=True, codes=(0, 0, 0, 0), after=12.5, job=30.0,
+            accuracy=None, **more):
+        return {"scenario": scenario, "faulted": faulted, "ended": ended,
+                "still_running": [] if ended else ["worker:0", "worker:1"],
+                "stopped_for_good": ["worker:3"] if scenario == "hang a worker" else [],
+                "killed": [faulted] if scenario.startswith("kill") else [],
+                "seconds_after_fault": None if faulted is None else after, "job_seconds": job,
+                "exit_codes": {f"worker:{r}": c for r, c in enumerate(codes)},
+                "errors": more.pop("errors", {}), **({"accuracy": accuracy} if accuracy
+                                                     else {}), **more}
+
+    return {"stamp": _stamp("fedcba9876543210" * 2 + "01234567"),
+            "settings": {"quick": True, "num_workers": 4, "epochs": 3, "repeat": 2,
+                         "fault_epoch": 1, "stall_timeout": 6.0, "pause": 3.0,
+                         "restart_delay": 2.0, "end_timeout": 60.0, "preload": True},
+            "job": "Generated job.",
+            "strategies": {
+                "soft sync (3 of 4)": {
+                    "no fault": run("no fault", None, accuracy=0.9, updates="ok",
+                                    pushes_sent=400, pushes_applied=390, pushes_dropped=10),
+                    "kill the chief": run("kill the chief", "worker:0", codes=(-9, 0, 0, 0),
+                                          accuracy=0.885, updates="ok", pushes_sent=380,
+                                          pushes_applied=371, pushes_dropped=10),
+                    "hang a worker": run("hang a worker", "worker:3", ended=False,
+                                         codes=(None, None, 0, None), after=90.0, job=120.0,
+                                         updates="not known: no worker finished")},
+                "SGP": {
+                    "no fault": run("no fault", None, accuracy=0.92, updates="ok",
+                                    messages_sent=600, messages_taken=600,
+                                    final_weight_sum=4.0),
+                    "kill a worker": run("kill a worker", "worker:3", codes=(1, 1, 1, -9),
+                                         errors={"worker:0": "PeerError: tfdist: "
+                                                 "/job:worker/task:3 at h:1 stopped answering"},
+                                         updates="not known: no worker finished")}}}
+
+
+class FaultsReportTest(tf.test.TestCase):
+
+    def test_each_fault_gives_its_end_time_accuracy_against_no_fault_and_update_count(self):
+        text = "\n".join(report.faults_section(_faults_fixture()))
+        self.assertIn("**Quick size**", text)
+        self.assertIn("`stall_timeout=6`", text)
+        rows = {tuple(c.strip() for c in line.split("|")[1:3]): [c.strip() for c in
+                                                                 line.split("|")[3:-1]]
+                for line in text.splitlines() if line.startswith("| soft") or
+                line.startswith("| SGP")}
+        self.assertEqual(rows[("soft sync (3 of 4)", "no fault")],
+                         ["yes", "30", "finished", "0.900",
+                          "ok: 400 sent, 390 applied + 10 dropped"])
+        # The killed chief is the fault, not a failure of the job; accuracy in points.
+        self.assertEqual(rows[("soft sync (3 of 4)", "kill the chief")],
+                         ["yes", "12.5 (30)", "finished", "0.885 (-1.5)",
+                          "ok: 380 sent, 371 applied + 10 dropped"])
+        self.assertEqual(rows[("soft sync (3 of 4)", "hang a worker")][:3],
+                         ["no", "90 (120)", "did not end: worker:0, worker:1 still running"])
+        self.assertEqual(rows[("SGP", "no fault")][4],
+                         "ok: 600 messages sent, 600 taken; mass 4.0000")
+        self.assertEqual(rows[("SGP", "kill a worker")][2:4],
+                         ["failed: worker:0 exit 1 (and 2 more): PeerError: tfdist: "
+                          "/job:worker/task:3 at h:1 stopped answering", "none"])
+
+    def test_report_names_the_commit(self):
+        out = self.get_temp_dir()
+        with open(os.path.join(out, "faults.json"), "w") as f:
+            json.dump(_faults_fixture(), f)
+        report.write_report(out)
+        with open(os.path.join(out, "report.md")) as f:
+            text = f.read()
+        self.assertIn("## Faults on a running job\n\nMeasured at commit `fedcba987654`.", text)

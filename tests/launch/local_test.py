@@ -117,8 +117,13 @@ class LocalClusterTest(tf.test.TestCase):
                           output=None, grace_period=0.5, timeout=RUN_TIMEOUT,
                           isolate_network=False) as cluster:
             time.sleep(0.5)
+            self.assertIsNone(cluster.returncode("worker:1"))
             os.kill(cluster.pid("worker:1"), signal.SIGKILL)
             start = time.monotonic()
+            while cluster.returncode("worker:1") is None:
+                self.assertLess(time.monotonic() - start, 10)
+                time.sleep(0.05)
+            self.assertEqual(cluster.returncode("worker:1"), -signal.SIGKILL)
             result = cluster.wait()
             self.assertLess(time.monotonic() - start, 10)
         self.assertEqual(result.failed_task, "worker:1")
@@ -166,6 +171,7 @@ class LocalClusterTest(tf.test.TestCase):
             self.assertFalse(alive(first))
             result = cluster.wait()
         self.assertEqual(result.returncode, 0, cluster.lines)
+        self.assertEqual(cluster.returncode("worker:0"), 0)  # the new process's, not -9
         self.assertIn(("worker:0", "start worker 0 True"), cluster.lines)
         with self.assertRaisesRegex(ValueError, r"`task` must be one of this cluster's workers "
                                                 r"\['worker:0', 'worker:1'\]. Received: 'ps:0'"):

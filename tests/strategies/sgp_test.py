@@ -26,6 +26,7 @@ from tests.strategies.ps_testing import make_cluster
 from tests.strategies.ps_testing import run_cluster
 from tfdist.cluster import ClusterConfig
 from tfdist.cluster import pick_free_ports
+from tfdist.gossip import graphs
 from tfdist.gossip import protocol
 from tfdist.gossip.graphs import Schedule
 from tfdist.strategies.gossip import StochasticGradientPushStrategy
@@ -62,16 +63,88 @@ class ScheduleTest(tf.test.TestCase, parameterized.TestCase):
             self.assertEqual(out.shape, (schedule.period, peers))
             self.assertAllEqual(counts[-1], schedule.in_counts(schedule.period - 1, 2))
 
-    def test_callable_graph_is_checked_when_called(self):
+    def test_callable_graph_is_checked_when_the_schedule_is_made(self):
         schedule = Schedule(sgp_program.phased_graph, 2, 3)
         self.assertEqual(schedule.out_peers(0, 1), [0, 2])
         self.assertEqual(schedule.out_peers(sgp_program.SWITCH, 1), [0])  # hub 0 at step 6
         self.assertAllEqual(schedule.padded_out_peers(sgp_program.SWITCH, 1), [0, -1])
         self.assertAllEqual(schedule.in_counts(sgp_program.SWITCH, 0), [0, 1, 1])
         for bad in ([1], [0, 0], [5], [], "x"):
-            schedule = Schedule(lambda step, rank, n, bad=bad: bad, 2, 3)
             with self.assertRaisesRegex(ValueError, r"`graph` must return"):
-                schedule.out_peers(0, 1)
+                Schedule(lambda step, rank, n, bad=bad: bad, 2, 3)
+        # A graph that goes wrong only later is still checked at each call.
+        schedule = Schedule(lambda step, rank, n: [rank] if step == 100 else [1 - rank], 1, 2)
+        with self.assertRaisesRegex(ValueError, r"`graph` must return.*step=100, rank=1"):
+            schedule.out_peers(100, 1)
+
+    def test_a_graph_that_takes_a_seed_gets_one_per_step_the_same_on_every_rank(self):
+        # A random ring per step: every rank must draw the same permutation, so the seed
+        # depends on the step alone (the global generators are seeded per (step, rank)).
+        seeds = {}
+
+        def random_ring(step, rank, num_workers, seed):
+            seeds.setdefault(step, set()).add(seed)
+            order = list(np.random.default_rng(seed).permutation(num_workers))
+            return [int(order[(order.index(rank) + 1) % num_workers])]
+
+        workers = [Schedule(random_ring, 1, 5) for _ in range(5)]
+        rings = set()
+        for step in range(40, 50):
+            sent = [workers[rank].out_peers(step, rank) for rank in range(5)]
+            rings.add(tuple(p for (p,) in sent))
+            for rank, (receiver,) in enumerate(sent):
+                self.assertEqual(workers[receiver].in_counts(step, receiver)[rank], 1)
+            self.assertAllEqual(sum(w.in_counts(step, r) for r, w in enumerate(workers)),
+                                [1] * 5)  # a permutation: each worker hears from one other
+        self.assertEqual([len(s) for s in seeds.values()], [1] * len(seeds))
+        self.assertEqual(len({s for step in seeds.values() for s in step}), len(seeds))
+        self.assertGreater(len(rings), 5)
+
+    def test_a_graph_that_answers_differently_when_called_again_is_refused(self):
+        # An unseeded generator of its own, a counter: a receiver would recompute another
+        # answer than the sender's and wait for a message that is never sent.
+        private = random.Random()
+
+        def draw_privately(step, rank, num_workers):
+            return [private.choice([p for p in range(num_workers) if p != rank])]
+
+        calls = []
+
+        def counting(step, rank, num_workers):
+            calls.append(step)
+            return [(rank + 1 + len(calls) % 2) % num_workers]
+
+        for graph, name in ((draw_privately, "draw_privately"), (counting, "counting")):
+            with self.assertRaisesRegex(
+                    ValueError, rf"`graph` \(.*{name}\) gave \[\d\] then \[\d\] for "
+                                r"step=\d+, rank=\d: .*the same out-peers .*every time.*"
+                                r"`seed` argument"):
+                Schedule(graph, 1, 4)
+
+    def test_workers_whose_graphs_disagree_fail_at_the_start_naming_the_step(self):
+        # Each call repeats in its own process, but the answers differ between processes
+        # (a generator seeded from the process id, the host name): found by comparing
+        # every worker's answers for the first steps before the first step is taken.
+        def graph_of(process):
+            def by_process(step, rank, num_workers):
+                if step < 7:
+                    return [(rank + 1) % num_workers]
+                hop = 1 + (step * 31 + process) % (num_workers - 1)
+                return [(rank + hop) % num_workers]
+            return by_process
+
+        processes = [0, 0, 5]
+        schedules = [Schedule(graph_of(p), 1, 3) for p in processes]
+        digests = [s.digests(40) for s in schedules]
+        self.assertAllEqual(digests[0], digests[1])
+        names = [f"/job:worker/task:{r}" for r in range(3)]
+        graphs.check_agreement(schedules[0], names, 0, {1: digests[1]})  # no error
+        with self.assertRaisesRegex(
+                ValueError, r"`graph` \(.*by_process\) gives other out-peers on "
+                            r"/job:worker/task:2 than on /job:worker/task:0 at step 7 "
+                            r"\(on /job:worker/task:0: \[\[2\], \[0\], \[1\]\], rank by rank"
+                            r".*on every worker"):
+            graphs.check_agreement(schedules[0], names, 0, {1: digests[1], 2: digests[2]})
 
 
     def test_a_random_callable_graph_gives_every_worker_the_same_peers(self):
@@ -200,6 +273,8 @@ class ClusterTest(tf.test.TestCase):
             # 6 x 2 + 6 x 1 in the steps; worker 1 takes worker 0's 13th-step message (hub 0
             # sends to 1) in its join.
             self.assertEqual(worker["before_join"]["messages_received"], 18)
+            # ... and after it, every message sent to it (the sum equals the sends, 55).
+            self.assertEqual(worker["progress"]["messages_received"], 19 if rank == 1 else 18)
             # Nothing connects to a courier's own port (it only connects out to the peers'
             # ports): a firewall admitting only the job's port, as the Kubernetes manifests'
             # NetworkPolicy does, lets SGP run.

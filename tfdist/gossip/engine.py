@@ -28,6 +28,7 @@ from tfdist._worker import BetweenGraphExtendedMixin
 from tfdist.cluster import as_cluster_config
 from tfdist.cluster.network import CONNECT_TIMEOUT_ENV
 from tfdist.cluster.network import timeout_from_env
+from tfdist.gossip import graphs
 from tfdist.gossip import protocol
 from tfdist.gossip import state as gossip_state
 from tfdist.gossip.drain import Drain
@@ -193,10 +194,43 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
             self._variables = list(variables)
             self._sizes = [v.shape.num_elements() for v in variables]
             self._node.open_inboxes(protocol.message_size(sum(self._sizes)))
+            if not self._schedule.periodic:
+                self._agree_on_schedule()
         elif [id(v) for v in variables] != [id(v) for v in self._variables]:
             raise ValueError("the train step trains other variables than the run's first step: "
                              "every step of a Stochastic Gradient Push run must train the same "
                              "variables (set `trainable` before the first `fit`)")
+
+    def _agree_on_schedule(self):
+        """Sends every peer the digests of this worker's answers of the callable graph for
+        the first steps, and compares theirs (each sender's first message) before the first
+        step: graphs that answer differently on different workers fail here, named, instead
+        of leaving a worker waiting for a message that is never sent."""
+        node = self._node
+        steps = min(graphs.CHECKED_STEPS, node.size - protocol.HEAD)
+        others = [r for r in range(node.num_workers) if r != node.rank]
+        digests = self._schedule.digests(steps).astype(np.float32)  # 24 bits: exact
+        values = np.zeros([node.size - protocol.HEAD], np.float32)
+        values[:steps] = digests
+        with tf.init_scope():
+            node.send(tf.constant(others), protocol.pack(protocol.SCHEDULE, node.rank, steps,
+                                                         0.0, tf.constant(values)))
+            theirs = {}
+            for sender in others:
+                tag, info, _, values = node.take_one(sender)
+                if tag == protocol.DEAD:
+                    raise PeerError(node.dead_message(info))
+                if tag != protocol.SCHEDULE or info != steps:
+                    raise PeerError(f"tfdist: an unexpected gossip message (tag {tag}) from "
+                                    f"{node.names[sender]} reached {node.task_name} before "
+                                    "the first step")
+                theirs[sender] = values.numpy()[:steps].astype(np.int64)
+        try:
+            graphs.check_agreement(self._schedule, node.names, node.rank, theirs)
+        except ValueError:
+            self._left = True  # the run cannot start: nothing to take or average at exit
+            node.stop(timeout=5.0)
+            raise
 
     def _peers_and_counts(self, step):
         """`(out-peers int32 [p], in-counts function step -> int64 [M])` in-graph."""
@@ -383,6 +417,9 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
             x, weight = state.x / state.weight, state.weight
         _assign_flat(self._variables, x)
         self._weight.assign(weight)
+        # The training messages taken here count in `messages_received` as the steps' do.
+        taken = int(np.sum(state.consumed - self._consumed.numpy()))
+        self._stats.assign(self._stats.numpy() + np.array([taken, 0, 0, 0, 0], np.int64))
         self._consumed.assign(state.consumed)
         self._peer_steps = [state.peer_steps.get(r) for r in range(num_workers)]
 

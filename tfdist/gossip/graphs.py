@@ -11,15 +11,20 @@ callable is called from the step through `tf.py_function`.
 """
 
 import contextlib
+import inspect
 import math
 import random
 import threading
+import zlib
 
 import numpy as np
 
 from tfdist._args import check_int
 
 GRAPHS = ("exponential", "ring")
+# The steps a callable graph is checked on before a run's first step: called twice on each
+# worker (`Schedule`), and compared between the workers (`check_agreement`).
+CHECKED_STEPS = 32
 
 
 def exponential_offsets(num_workers):
@@ -67,13 +72,18 @@ class Schedule:
         step keeps 1/(p+1) of its parameters and weight and sends 1/(p+1) to each).
         Every worker calls it for every sender (a receiver recomputes whom the others send
         to, and waits for those messages), so it must give the same answer for the same
-        `(step, rank)` on every worker. A callable may draw from Python's `random` or
-        NumPy's global `np.random`: each call runs with both seeded from `(seed, step,
-        rank)` (and their state restored after), so its draws are the same everywhere.
-        Any other randomness must be derived from `step` and `rank` alone.
+        `(step, rank)` on every worker. A callable that has a parameter `seed` is called
+        with `seed=`, an integer derived from the step alone (the same for every rank at a
+        step, another at each step: `np.random.default_rng(seed)` draws, say, one random
+        permutation per step that every rank sees). A callable may also draw from Python's
+        `random` or NumPy's global `np.random`: each call runs with both seeded from `(seed,
+        step, rank)` (and their state restored after). Any other randomness must be derived
+        from `step`, `rank` and `seed` alone. Checked when the schedule is made: the graph
+        is called twice for each of the first `CHECKED_STEPS` steps and every rank, and an
+        answer that changes is refused (`check_agreement` then compares the workers').
       peers_per_step: p, out-peers per step (a callable graph's most).
       num_workers: M.
-      seed: mixed into the seed of each call of a callable graph.
+      seed: mixed into the seeds of each call of a callable graph.
     """
 
     def __init__(self, graph, peers_per_step, num_workers, seed=0):
@@ -93,6 +103,8 @@ class Schedule:
             self._hops = [list(range(1, peers_per_step + 1))]
         else:
             self.period = None
+            self._takes_seed = _has_seed_parameter(graph)
+            self._check_repeatable()
 
     @property
     def periodic(self):
@@ -102,8 +114,12 @@ class Schedule:
         """The ranks `rank` sends to at `step` (checked when the graph is a callable)."""
         if self.periodic:
             return [(rank + hop) % self.num_workers for hop in self._hops[step % self.period]]
-        with _seeded_global_random(self.seed, int(step), int(rank)):
-            peers = self.graph(int(step), int(rank), self.num_workers)
+        step, rank = int(step), int(rank)
+        with _seeded_global_random(self.seed, step, rank):
+            if self._takes_seed:
+                peers = self.graph(step, rank, self.num_workers, seed=self.step_seed(step))
+            else:
+                peers = self.graph(step, rank, self.num_workers)
         try:
             peers = [int(p) for p in peers]
         except (TypeError, ValueError):
@@ -117,6 +133,43 @@ class Schedule:
                 f"sender's. Received "
                 f"{peers} for step={step}, rank={rank}")
         return peers
+
+    def step_seed(self, step):
+        """The `seed` a callable graph is given at `step`: the same for every rank."""
+        return int(np.random.SeedSequence([self.seed & 0xFFFFFFFF, int(step) & 0xFFFFFFFF,
+                                           int(step) >> 32]).generate_state(1, np.uint64)[0])
+
+    def graph_name(self):
+        graph = self.graph
+        name = getattr(graph, "__qualname__", None) or type(graph).__qualname__
+        return f"{getattr(graph, '__module__', None) or '?'}.{name}"
+
+    def _step_table(self, step):
+        """`[M, p]` int32: every rank's padded out-peers at `step`."""
+        return np.stack([self.padded_out_peers(step, rank) for rank in range(self.num_workers)])
+
+    def _check_repeatable(self):
+        """Refuses a callable graph whose answer changes when it is called again."""
+        for step in range(CHECKED_STEPS):
+            for rank in range(self.num_workers):
+                first, again = self.out_peers(step, rank), self.out_peers(step, rank)
+                if first != again:
+                    raise ValueError(
+                        f"`graph` ({self.graph_name()}) gave {first} then {again} for "
+                        f"step={step}, rank={rank}: it must give the same out-peers every time "
+                        "it is called with the same step and rank, on every worker (each "
+                        "worker calls it for every sender to know whose messages to wait "
+                        "for: another answer leaves a worker waiting for a message that is "
+                        "never sent). Draw from the `seed` argument it is given when it "
+                        "takes one (the same at a step on every worker), or from Python's "
+                        "`random` or NumPy's global generator (seeded for each call), or "
+                        "derive the peers from step and rank alone")
+
+    def digests(self, steps):
+        """`[steps]` int64: a 24-bit digest (exact in a float32) of every rank's out-peers at
+        each of the first `steps` steps, for comparing the workers' answers."""
+        return np.array([zlib.crc32(self._step_table(k).tobytes()) & 0xFFFFFF
+                         for k in range(steps)], np.int64)
 
     def in_counts(self, step, rank):
         """`[M]` int64: how many messages each worker sends to `rank` at `step` (0 or 1)."""
@@ -136,6 +189,40 @@ class Schedule:
         out = np.array([self.out_peers(k, rank) for k in range(self.period)], np.int32)
         counts = np.stack([self.in_counts(k, rank) for k in range(self.period)])
         return out, counts
+
+
+def check_agreement(schedule, names, rank, digests):
+    """Raises if another worker's `digests` (`{rank: Schedule.digests(n)}`) differ from this
+    worker's: their graph functions answer differently, and a worker would wait for a
+    message that is never sent.
+
+    Raises:
+      ValueError: naming the graph, both workers, the first step that differs and this
+        worker's out-peers there.
+    """
+    for other, theirs in sorted(digests.items()):
+        theirs = np.asarray(theirs, np.int64)
+        ours = schedule.digests(len(theirs))
+        differ = np.flatnonzero(ours != theirs)
+        if differ.size:
+            step = int(differ[0])
+            raise ValueError(
+                f"`graph` ({schedule.graph_name()}) gives other out-peers on {names[other]} "
+                f"than on {names[rank]} at step {step} (on {names[rank]}: "
+                f"{schedule._step_table(step).tolist()}, rank by rank, -1 for no peer; "
+                f"the first {len(theirs)} steps are compared before the first step): it must "
+                "give the same out-peers for the same step and rank on every worker, or a "
+                "worker waits for a message that is never sent. Derive them from step, rank "
+                "and the `seed` argument (or Python's `random` / NumPy's global generator, "
+                "seeded for each call), not from the process, the host or the time")
+
+
+def _has_seed_parameter(graph):
+    try:
+        parameters = inspect.signature(graph).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature
+        return False
+    return any(p.name == "seed" or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 _global_random = threading.Lock()

@@ -26,8 +26,9 @@ OUTBOX = "outbox"
 # it took every message sent to it, for the final average (`info`: how many values its LOCAL
 # messages carry); LOCAL: the `info`-th part of the sender's model variables that are not
 # gossiped (BatchNormalization's moving statistics, frozen weights), for the final average;
-# STOP: the courier's last entry.
-DEAD, END, AVERAGE, STOP, LOCAL = -2, -3, -4, -5, -6
+# STOP: the courier's last entry; SCHEDULE: a callable graph's digests of its first `info`
+# steps (`tfdist.gossip.graphs.check_agreement`), the first message of every sender.
+DEAD, END, AVERAGE, STOP, LOCAL, SCHEDULE = -2, -3, -4, -5, -6, -7
 HEAD = 7  # 3 int64 words (6 floats) and the weight
 WEIGHT = 6
 

@@ -368,6 +368,11 @@ class LocalCluster:
         """The process id of a task, e.g. `pid("worker:1")`."""
         return self._tasks[task].process.pid
 
+    def returncode(self, task):
+        """The exit code of `task`'s process (its latest, after a `restart`), None while it
+        runs; negative: the signal that ended it."""
+        return self._tasks[task].process.poll()
+
     def restart(self, task):
         """Starts worker `task` again, as a scheduler restarts a preempted worker.
 

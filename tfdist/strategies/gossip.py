@@ -41,9 +41,12 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
         `(step, rank, num_workers) -> list of out-peers` (between 1 and `peers_per_step`
         distinct other ranks; called from the step through `tf.py_function`). Every
         worker calls it for every sender, to know whose messages to wait for, so it must
-        answer the same for the same `(step, rank)` everywhere: each call runs with
-        Python's `random` and NumPy's global generator seeded from `(step, rank)`, so
-        draws from those are; any other randomness must be derived from `step` and `rank`.
+        answer the same for the same `(step, rank)` everywhere. A callable with a
+        parameter `seed` is called with `seed=`, the same at a step on every worker and for
+        every rank (`np.random.default_rng(seed)`); each call also runs with Python's
+        `random` and NumPy's global generator seeded from `(step, rank)`. A callable that
+        answers differently when called again, or on another worker, is refused before the
+        first step (its first 32 steps are checked), naming it and the step.
       peers_per_step: p, out-peers per step (for "exponential", at most L).
       overlap: True (the paper's overlap SGP): the messages of step k travel while the
         worker computes step k+1, and a step takes whatever messages have arrived; a
@@ -69,7 +72,9 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
 
     Raises:
       ValueError: an argument out of range (the message names it), a cluster with ps tasks
-        or fewer than 2 workers, or a task that is not a chief / worker.
+        or fewer than 2 workers, a task that is not a chief / worker, or a `graph` callable
+        whose answers change when called again (here) or differ between the workers (at
+        the first step).
       TaskUnreachableError: a peer did not listen within `connect_timeout`.
     """
 
@@ -110,9 +115,11 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
                          "message_delay_max", "gossip_waits")
 
     def progress(self):
-        """This worker's gossip: its step, push_sum_weight, messages_received,
-        messages_late, message_delay_max, gossip_waits, bytes_sent (the messages this
-        worker's courier carries, one per out-peer) and, after `join`, peer_steps (the
-        training steps each peer took, by rank) and with a final average final_weight_sum
-        (the push-sum mass of all the workers, num_workers in exact arithmetic)."""
+        """This worker's gossip: its step, push_sum_weight, messages_received (the
+        training messages it took, in its steps and in `join`: summed over the workers
+        after `join`, what they sent), messages_late, message_delay_max, gossip_waits,
+        bytes_sent (the messages this worker's courier carries, one per out-peer) and,
+        after `join`, peer_steps (the training steps each peer took, by rank) and with a
+        final average final_weight_sum (the push-sum mass of all the workers, num_workers
+        in exact arithmetic)."""
         return self.extended.progress()
