@@ -4,6 +4,7 @@ reaches what it names in the installed TensorFlow and Keras, or fails here namin
 
 import ast
 import inspect
+import os
 import pathlib
 import re
 
@@ -371,6 +372,39 @@ class AccessorsTest(tf.test.TestCase):
             variable = keras.Variable(1.0, name="v")
         self.assertIs(seen[0][0], variable)
         self.assertEqual(seen[0][1], "outer/v")
+
+    def test_keras_whole_model_reads(self):
+        from tfdist.ps import snapshot
+
+        self.exercise("keras_whole_model_reads", snapshot.consistent_reads)
+        self.exercise("keras_whole_model_reads", snapshot.consistent_reads)  # wrapped once
+        reads = []
+
+        class Probe(keras.layers.Layer):
+            def build(self, shape):
+                self.w = self.add_weight(shape=[2], name="w")
+
+            def call(self, x):
+                return x * self.w
+
+            @property
+            def weights(self):
+                reads.append(("weights", snapshot.active()))
+                return super().weights
+
+            def save_own_variables(self, store):
+                reads.append(("saved", snapshot.active()))
+                super().save_own_variables(store)
+
+        model = keras.Sequential([keras.Input([2]), Probe()])
+        self.assertLen(model.get_weights(), 1)
+        model.layers[0].get_weights()
+        directory = self.get_temp_dir()
+        model.save_weights(os.path.join(directory, "m.weights.h5"))
+        model.save(os.path.join(directory, "m.keras"))
+        self.assertEqual({name for name, _ in reads}, {"weights", "saved"})
+        self.assertTrue(all(active for _, active in reads), reads)
+        self.assertFalse(snapshot.active())
 
     def test_keras_name_scope_for_path(self):
         with self.exercise("keras_name_scope_for_path", "a/b/kernel"):

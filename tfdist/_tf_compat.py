@@ -325,6 +325,35 @@ from tensorflow.python.distribute.values import PerReplica  # noqa: F401,E402
 # `keras/src/backend/common/variables.py`. `tests/tf_compat_test.py` runs each function.
 
 
+def keras_whole_model_reads(context):
+    """Runs Keras's whole-model reads inside `context()` (a context manager factory):
+    `Model.save`, `Model.save_weights` and `Layer.get_weights`, which `ModelCheckpoint`,
+    `BackupAndRestore` and `EarlyStopping` call. Keras has no hook around a read of the whole
+    model, so those methods of its base classes are wrapped, once per `context`."""
+    import functools
+
+    import keras
+
+    for owner, name in ((keras.Model, "save"), (keras.Model, "save_weights"),
+                        (keras.layers.Layer, "get_weights")):
+        method = owner.__dict__[name]
+        if getattr(method, "_tfdist_reads_in", None) is context:
+            continue
+        original = getattr(method, "_tfdist_original", method)
+
+        def wrap(original):
+            @functools.wraps(original)
+            def read_whole(self, *args, **kwargs):
+                with context():
+                    return original(self, *args, **kwargs)
+            return read_whole
+
+        wrapped = wrap(original)
+        wrapped._tfdist_original = original
+        wrapped._tfdist_reads_in = context
+        setattr(owner, name, wrapped)
+
+
 def keras_optimizer_trained_variables(optimizer):
     """The Keras variables `optimizer` was built on, in its order (`[]` before it is built)."""
     return list(getattr(optimizer, "_trainable_variables", None) or ())

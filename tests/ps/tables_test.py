@@ -10,8 +10,12 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import _tf_compat
+from tfdist.ps import protocol
 from tfdist.ps import table_set
 from tfdist.ps import tables
+from tfdist.ps import variables
+from tfdist.ps.snapshot import ShardSnapshot
+from tfdist.ps.snapshot import consistent_reads
 from tfdist.ps.variables import replica_step
 
 ROWS, WIDTH = 30, 4
@@ -209,6 +213,35 @@ class TableVariableTest(tf.test.TestCase):
             self.assertAllEqual(table.read_value(), -value)
         for master, (begin, end) in table.parts:
             self.assertAllEqual(master.read_value(), -value[begin:end])
+
+    def test_a_checkpoint_reads_every_chunk_from_one_snapshot_of_each_part(self):
+        # An update lands on the ps between two chunks of the read.
+        table, value = _table()
+        for device in ("/device:CPU:0", "/device:CPU:1"):  # each "ps task"'s shard
+            ShardSnapshot(device, protocol.open_update_lock(device, f"tables-test-{device}"),
+                          []).add_tables(
+                [m for m, _ in table.parts if m.device.endswith(device[-5:])])
+        chunks = table._chunks
+
+        def chunks_with_an_update_after_the_first(parts=None):
+            for i, chunk in enumerate(chunks(parts)):
+                yield chunk
+                if i == 0:
+                    for master, _ in table.parts:
+                        master.assign_add(tf.ones(master.shape))
+
+        with mock.patch.object(tables, "CHUNK_BYTES", 5 * WIDTH * 4), \
+                mock.patch.object(table, "_chunks", chunks_with_an_update_after_the_first):
+            with consistent_reads():
+                self.assertAllEqual(table.numpy(), value)
+                # Each part's copy stays on its ps task: only chunks cross.
+                for master, _ in table.parts:
+                    copy = variables.consistent_value(master)
+                    self.assertEqual(copy.device[-5:], master.device[-5:])
+            # Outside, each chunk is read as it is then: the first before the update.
+            torn = table.numpy()
+        self.assertAllEqual(torn[:5], value[:5] + 1)
+        self.assertAllEqual(torn[5:], value[5:] + 2)
 
     def test_a_tf_train_checkpoint_saves_and_restores_every_part(self):
         table, value = _table()

@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import _tf_compat
 from tfdist.ps import protocol
 from tfdist.ps import wire
 from tfdist.ps.client import ShardClient
@@ -26,6 +27,7 @@ from tfdist.ps.shard_optimizer import RunFailed
 from tfdist.ps.spec import ShardSpec
 from tfdist.ps.updater import ShardUpdateGraph
 from tfdist.ps.updater import shard_push_dtypes
+from tfdist.ps.variables import MirrorVariable
 
 DEVICE = "/job:localhost/replica:0/task:0/device:CPU:0"
 _runs = itertools.count()
@@ -45,7 +47,7 @@ class Shard:
             worker_addresses=[f"localhost:{r}" for r in range(num_workers)], num_ps=1,
             shard=0, variables=variables, optimizer=optimizer,
             outer_optimizer=outer_optimizer, delta=delta, init_timeout=10.0)
-        run = f"updater-test-{next(_runs)}"
+        run = self.run = f"updater-test-{next(_runs)}"
         layout = protocol.ShardLayout(self.spec.variables)
         self.push_dtypes = shard_push_dtypes(layout, None)
         push_queue = protocol.open_push_queue(DEVICE, run, self.push_dtypes)
@@ -58,7 +60,9 @@ class Shard:
         self.masters = masters
         self.queue = push_queue
         self.graph = ShardUpdateGraph(self.spec, DEVICE, push_queue, self.reply_queues,
-                                      self.progress, masters, task="/job:ps/task:0")
+                                      self.progress, masters,
+                                      protocol.open_update_lock(DEVICE, run),
+                                      task="/job:ps/task:0")
         self.state = self.graph.empty_state()
         self.live = tf.constant([True] * num_workers)
 
@@ -74,9 +78,16 @@ class Shard:
 
     def serve(self, required=1):
         """Serves the pushes made so far (then returns, at a control entry)."""
+        self.stop()
+        self.serve_until_stopped(required)
+
+    def stop(self):
+        """Puts the control entry at which `serve_until_stopped` returns."""
         tf.raw_ops.QueueEnqueueV2(handle=self.queue, components=[
             tf.constant(protocol.STOP, tf.int64), tf.constant(0, tf.int32),
             *[tf.zeros([0], d) for d in self.push_dtypes[2:]]])
+
+    def serve_until_stopped(self, required=1):
         self.state, event, _ = self.graph.serve_updates(tf.constant(required), self.live,
                                                         self.state)
         assert int(event) == -protocol.STOP
@@ -120,8 +131,8 @@ def with_optimizer_masters(variables, initial, optimizer):
     trained, kinds = [], {}
     for e in variables:
         if e["role"] in ("gradient", "table"):
-            scope, _, name = e["path"].rpartition("/")
-            with keras.name_scope(scope):
+            name = e["path"].rpartition("/")[2]
+            with _tf_compat.keras_name_scope_for_path(e["path"]):
                 trained.append(keras.Variable(np.zeros(e["shape"], e["dtype"]), name=name))
             kinds[trained[-1].path.replace("/", "_")] = e
     local = keras.optimizers.deserialize(optimizer)
@@ -328,6 +339,70 @@ class OptimizerMastersTest(tf.test.TestCase):
                 r"never in a checkpoint.*same Keras path.*'d/w'.*distinct names"):
             Shard(variables, SoftSyncPolicy(1, 2), initial, optimizer=momentum,
                   optimizer_masters=False)
+
+
+class ConsistentReadTest(tf.test.TestCase):
+    """A worker's whole-model read (`get_weights`, a checkpoint) while the updater applies
+    update after update: every variable of a shard from the same update."""
+
+    def test_get_weights_reads_each_shard_between_two_updates(self):
+        layers, reads = 4, 5
+        variables = [entry(f"model/dense{i}/{name}", shape) for i in range(layers)
+                     for name, shape in (("kernel", [3, 2]), ("bias", [2]))]
+        shard = Shard(variables, AsyncPolicy(), {e["path"]: np.zeros(e["shape"], np.float32)
+                                                 for e in variables}, optimizer=sgd(1.0))
+        # A worker's view of the run: its client's masters, a Keras model whose variables
+        # are mirrors bound to them (as `ParameterServerExtended` makes and binds them).
+        connection = types.SimpleNamespace(rank=1, ps_devices=[DEVICE],
+                                           ps_names=["/job:ps/task:0"], host_device=DEVICE)
+        client = ShardClient(connection, 0)
+        client.open_run(shard.run, shard.spec)
+
+        def mirror(next_creator, **kwargs):
+            del next_creator
+            path = _tf_compat.keras_variable_path(kwargs["name"])
+            variable = MirrorVariable.create(path, "gradient", **kwargs)
+            variable.bind(client.masters[path])
+            return variable
+
+        with tf.variable_creator_scope(mirror):
+            model = keras.Sequential([keras.Input([3])] + [
+                keras.layers.Dense(2 if i == 0 else 3, name=f"dense{i}")
+                for i in range(layers)], name="model")
+        self.assertEqual([v.path for v in model.weights], [e["path"] for e in variables])
+        model.get_weights()  # traced before the updates start
+        # Worker 0 pushes a gradient of 1 everywhere, again and again: after n updates each
+        # value is -n. The updater applies them while this thread reads the model.
+        size = sum(int(np.prod(e["shape"])) for e in variables)
+        reading = threading.Event()
+        reading.set()
+
+        def push():
+            while reading.is_set():
+                if int(tf.raw_ops.QueueSizeV2(handle=shard.queue)) < 20:
+                    shard.push(0, 0, np.ones([size], np.float32))
+                else:
+                    time.sleep(0.001)
+
+        threads = [threading.Thread(target=push, daemon=True),
+                   threading.Thread(target=shard.serve_until_stopped, daemon=True)]
+        for thread in threads:
+            thread.start()
+        seen = []
+        try:
+            deadline = time.monotonic() + 120
+            while len(set(seen)) < reads:  # the reads overlap the updates
+                self.assertLess(time.monotonic(), deadline, f"no updates: {seen}")
+                steps = sorted({int(round(-x)) for w in model.get_weights() for x in w.ravel()})
+                self.assertLen(steps, 1, f"one read saw the weights of updates {steps}")
+                seen.append(steps[0])
+        finally:
+            reading.clear()
+            threads[0].join(timeout=60)
+            shard.stop()
+            threads[1].join(timeout=60)
+        self.assertFalse(threads[1].is_alive(), "the updater did not stop")
+        self.assertEqual(seen, sorted(seen))
 
 
 class StateAndAveragingTest(tf.test.TestCase):

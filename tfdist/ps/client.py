@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tfdist.ps import protocol
 from tfdist.ps import wire
+from tfdist.ps.snapshot import ShardSnapshot
 from tfdist.ps.spec import spec_of
 
 # The largest payload (bytes) that travels packed with the push's head and values.
@@ -103,6 +104,11 @@ class ShardClient:
         self.push_dtypes = None
         self.reply_queue = protocol.open_reply_queue(self.device, run, self.rank)
         self.progress, self.masters = protocol.open_run_variables(self.device, run, spec)
+        self.update_lock = protocol.open_update_lock(self.device, run)
+        # Checkpoints (Keras's whole-model reads) read the shard between two updates.
+        self.snapshot = ShardSnapshot(
+            self.device, self.update_lock,
+            [self.masters[e.path] for e in spec.variables if not e.table])
 
     def open_push_queue(self, payload_dtypes, num_sparse=0):
         self.push_dtypes = wire.push_dtypes(payload_dtypes, num_sparse)

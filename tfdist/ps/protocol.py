@@ -7,7 +7,8 @@ Every ps task serves its own shard of the model. Its shared resources (container
   on `hello/{rank}` with the run the worker belongs to.
 * per run, under `run/{run}/`: the master variables (`var/{path}`, keyed by the Keras
   variable path), the `push` queue (`tag, rank, payload..., values`), one `reply/{rank}`
-  queue per worker (`token, message, progress, values`) and the `progress` vector.
+  queue per worker (`token, message, progress, values`), the `progress` vector and the
+  `update_lock` (held while an update is applied, and while a snapshot reads the masters).
 
 A worker step is one push and one reply per ps task: the reply carries the global step
 (token), the shard's new values (the weights the worker computes its next gradient on) and
@@ -97,6 +98,15 @@ def open_run_variables(device, run, spec):
             e.shape, e.dtype, e.name, container=CONTAINER, trainable=e.trainable)
         for e in spec.variables}
     return progress, masters
+
+
+def open_update_lock(device, run):
+    """The update lock of run `run` on `device` (a `MutexV2`): the updater holds it while it
+    applies an update, a worker's snapshot of the shard while it reads the masters
+    (`tfdist.ps.snapshot`)."""
+    with tf.init_scope(), tf.device(device):
+        return tf.raw_ops.MutexV2(container=CONTAINER,
+                                  shared_name=run_name(run, "update_lock"))
 
 
 def open_push_queue(device, run, dtypes):

@@ -75,6 +75,7 @@ class ShardRun:
         self.reply_queues = [protocol.open_reply_queue(self.device, run, r)
                              for r in range(self.num_workers)]
         self.progress, self.masters = protocol.open_run_variables(self.device, run, spec)
+        self.update_lock = protocol.open_update_lock(self.device, run)
         self.members = Membership(self.num_workers, service.lock, self.progress, self.device)
         self._thread = threading.Thread(target=self._run, name=f"tfdist-run-{run}",
                                         daemon=True)
@@ -114,7 +115,7 @@ class ShardRun:
             self._wait_until_initialized()
             self.graph = ShardUpdateGraph(self.spec, self.device, self.push_queue,
                                           self.reply_queues, self.progress, self.masters,
-                                          task=self.service.task)
+                                          self.update_lock, task=self.service.task)
             self.graph.start_from_optimizer_step()
             self._serve()
         except RunFailed as e:
@@ -239,7 +240,7 @@ class ShardRun:
     def teardown(self):
         """Frees the run's resources (when the next run starts: the telemetry of a finished
         run stays readable until then)."""
-        handles = [self.push_queue, *self.reply_queues, self.progress.handle,
+        handles = [self.push_queue, *self.reply_queues, self.update_lock, self.progress.handle,
                    *[m.handle for m in self.masters.values()]]
         with tf.device(self.device):
             for handle in handles:

@@ -257,6 +257,15 @@ class TableSet:
                 out += wire.sparse_rows(part.take(lookups[id(part.variable)]), entry)
         return out
 
+    def part_masters(self, num_ps):
+        """Per ps task, the masters of the table parts it holds."""
+        out = [[] for _ in range(num_ps)]
+        for table in self.all():
+            shards = {tuple(rows): shard for shard, rows in table._tfdist_shards}
+            for master, rows in table.parts:
+                out[shards[tuple(rows)]].append(master)
+        return out
+
     def places(self):
         """`(table, ps index, rows)` of every part."""
         return [(table, shard, rows) for table in self.all()

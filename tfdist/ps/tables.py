@@ -27,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import _tf_compat
+from tfdist.ps import snapshot as snapshot_lib
 from tfdist.ps import variables as variables_lib
 
 CONTAINER = "tfdist"
@@ -252,14 +253,22 @@ class TableVariable(_tf_compat.BaseResourceVariable):
         if self.before_read is not None:
             self.before_read()
         out = np.empty(self.shape.as_list(), self.dtype.as_numpy_dtype)
+        # Inside `tfdist.ps.snapshot.consistent_reads()`: each part's copy, taken on its ps
+        # task between two updates with the rest of its shard.
+        copies = ({id(master): variables_lib.consistent_value(master)
+                   for master, _ in self._tfdist_parts if master.snapshot is not None}
+                  if snapshot_lib.active() else {})
         for master, begin, end in self._chunks():
             offset = self._part_begin(master)
-            # A gather of the chunk's rows: a read of the whole part would copy it on the
-            # ps at every chunk (a gathered variable is copied on read).
             with tf.device(master.device):
-                chunk = tf.raw_ops.ResourceGather(
-                    resource=master.handle, dtype=self.dtype,
-                    indices=tf.range(begin - offset, end - offset, dtype=tf.int64))
+                if id(master) in copies:
+                    chunk = copies[id(master)][begin - offset:end - offset]
+                else:
+                    # A gather of the chunk's rows: a read of the whole part would copy it
+                    # on the ps at every chunk (a gathered variable is copied on read).
+                    chunk = tf.raw_ops.ResourceGather(
+                        resource=master.handle, dtype=self.dtype,
+                        indices=tf.range(begin - offset, end - offset, dtype=tf.int64))
             out[begin:end] = chunk.numpy()
         return out
 

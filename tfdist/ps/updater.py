@@ -18,6 +18,7 @@ from tfdist import _tf_compat
 from tfdist import compression as compression_lib
 from tfdist.ps import protocol
 from tfdist.ps import shard_optimizer
+from tfdist.ps import snapshot
 from tfdist.ps import wire
 from tfdist.ps.averaged_rows import averaged_rows
 from tfdist.ps.policies import HISTOGRAM_BUCKETS
@@ -49,17 +50,20 @@ class ShardUpdateGraph:
       reply_queues: one reply queue per worker rank (`wire.REPLY_DTYPES`).
       progress: the run's progress vector (`protocol.num_stats` int64s).
       masters: `{path: variable}`, the shard's master variables, initialised.
+      update_lock: the run's update lock (`protocol.open_update_lock`), held while an update
+        is applied and recorded: a snapshot of the shard (a checkpoint) is taken between two.
       task: the ps task's name, for errors.
     """
 
     def __init__(self, spec, device, push_queue, reply_queues, progress, masters,
-                 task="the ps task"):
+                 update_lock, task="the ps task"):
         self.spec = spec
         self.device = device
         self.push_queue = push_queue
         self.reply_queues = reply_queues
         self.progress = progress
         self.masters = masters
+        self.update_lock = update_lock
         self.task = task
         self.num_workers = spec.num_workers
         self.policy = policy_from_spec(spec.policy)
@@ -447,7 +451,13 @@ class ShardUpdateGraph:
         self._record_fn(step, state, updated=False)
 
     def _apply_and_release(self, state, live):
-        """One update: apply, record, and reply to the workers whose pushes it used."""
+        """One update: apply, record, and reply to the workers whose pushes it used, under
+        the update lock; returns the op that lets the lock go."""
+        _, released = snapshot.locked(self.update_lock,
+                                      lambda: self._apply_and_release_locked(state, live))
+        return released
+
+    def _apply_and_release_locked(self, state, live):
         step, rows = self._apply(state)
         if not self.policy.defers_release:
             with tf.control_dependencies([self._record_fn(step, state)]):
@@ -503,8 +513,8 @@ class ShardUpdateGraph:
             complete = tf.logical_and(tf.equal(event, 0), state["accepted"] >= required)
 
             def apply():
-                self._apply_and_release(state, live)
-                return self.empty_state()
+                with tf.control_dependencies([self._apply_and_release(state, live)]):
+                    return self.empty_state()
 
             state = tf.cond(complete, apply, lambda: state)
             return state, event, rank

@@ -76,6 +76,17 @@ class SharedVariable(_tf_compat.BaseResourceVariable):
     It has no deleter: no task can destroy the copy that the others use.
     """
 
+    # The `tfdist.ps.snapshot.ShardSnapshot` of its shard, once a worker has joined a run:
+    # inside `consistent_reads()` a read takes its value from the shard's snapshot.
+    snapshot = None
+
+
+def consistent_value(master):
+    """The value of `master`: inside `tfdist.ps.snapshot.consistent_reads()`, its shard's
+    snapshot's (once the worker has joined the run)."""
+    snapshot = getattr(master, "snapshot", None)
+    return master.read_value() if snapshot is None else snapshot.value(master)
+
 
 def open_shared_variable(device, shared_name, shape, dtype, name, container="tfdist",
                          trainable=False):
@@ -158,15 +169,17 @@ class MirrorVariable(_tf_compat.ResourceVariable):
         """Outside a step, writes are ignored: another task (the chief) sets this variable."""
         self._tfdist_writable = False
 
-    def master_value(self):
-        """The value of the master copy (its parts joined)."""
-        if len(self._tfdist_masters) == 1:
-            return self._tfdist_masters[0][0].read_value()
-        return tf.concat([master.read_value() for master, _ in self._tfdist_masters], axis=0)
+    def master_value(self, consistent=True):
+        """The value of the master copy (its parts joined; inside
+        `tfdist.ps.snapshot.consistent_reads()`, each from its shard's snapshot, unless
+        not `consistent`)."""
+        values = [consistent_value(master) if consistent else master.read_value()
+                  for master, _ in self._tfdist_masters]
+        return values[0] if len(values) == 1 else tf.concat(values, axis=0)
 
     def _refresh(self):
         """After a write to the masters: the copies and this variable take their value."""
-        value = self.master_value()
+        value = self.master_value(consistent=False)
         for copy in self._tfdist_copies:
             copy.assign(value, read_value=False)
         super().assign(value, read_value=False)

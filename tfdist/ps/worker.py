@@ -30,6 +30,7 @@ from tfdist.cluster.network import STALL_TIMEOUT_ENV
 from tfdist.cluster.network import timeout_from_env
 from tfdist.ps import placement
 from tfdist.ps import protocol
+from tfdist.ps import snapshot
 from tfdist.ps import tables as tables_lib
 from tfdist.ps import wire
 from tfdist.ps.client import RunError
@@ -298,6 +299,10 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                             # each one's).
                             variable.follow()
             self._tables.joined(any(a["initialize"] for a in answers))
+            # A checkpoint reads each table part with the rest of its shard, between two
+            # updates (`tfdist.ps.snapshot`).
+            for client, parts in zip(clients, self._tables.part_masters(num_ps)):
+                client.snapshot.add_tables(parts)
             self._clients = clients
             self._layouts = [protocol.ShardLayout(e) for e in entries]
             for client, layout in zip(clients, self._layouts):
@@ -509,7 +514,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                 pass  # the run has ended (its queues are closed)
 
     def _take_masters(self):
-        with tf.init_scope(), replica_step():
+        with tf.init_scope(), replica_step(), snapshot.consistent_reads():
             # Tables averaged by rows are read in bounded chunks (`ChangedRows`), the rest
             # whole.
             variables = {id(p.variable): p.variable for parts in self._shards for p in parts}

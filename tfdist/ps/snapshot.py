@@ -1,0 +1,117 @@
+"""Consistent reads of a shard: a checkpoint takes each shard's masters between two updates.
+
+Each ps task applies its shard's updates one after the other, while a worker's eager read of
+a master variable (`get_weights`, a checkpoint on the chief) is an RPC of its own. A model
+read variable by variable while the updater applies would hold layers, slots and
+`iterations` of different updates. So each run has an update lock on each ps task (a shared
+`MutexV2`, `tfdist.ps.protocol.open_update_lock`): the updater holds it while it applies an
+update and records it (`locked`), and a `ShardSnapshot` holds it while it reads every master
+of the shard on the ps task (the values stay there until the worker reads them: each crosses
+once, as a plain read's would).
+
+Inside `consistent_reads()` the eager reads of masters come from one snapshot per shard,
+taken at the first read of one of its masters. Keras's whole-model reads enter it
+(`Model.save`, `Model.save_weights`, `Layer.get_weights`: `ModelCheckpoint`,
+`BackupAndRestore` and `EarlyStopping` call them), and so does `join()`'s final read; a read
+outside it takes the master as it is then. Shards are read one after the other: each is
+between two of its own updates (with several ps tasks, each task updates its shard on its
+own, so no moment holds for all of them). An embedding table kept on the ps tasks is read in
+bounded chunks (`tfdist.ps.tables`): inside `consistent_reads()` each part is copied on its
+ps task under the lock, with the rest of its shard, and the chunks are read from that copy,
+freed when the read ends (the part's size more on its ps task meanwhile).
+"""
+
+import contextlib
+import threading
+
+import tensorflow as tf
+
+from tfdist import _tf_compat
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def consistent_reads():
+    """Eager reads of master variables in this thread, until it exits, come from one
+    snapshot per shard (re-entrant: an inner one reads from the outer one's snapshots)."""
+    if active():
+        yield
+        return
+    _state.taken = {}
+    try:
+        yield
+    finally:
+        _state.taken = None  # the values go, the copies of table parts on the ps with them
+
+
+def active():
+    """Whether this thread is inside `consistent_reads()`."""
+    return getattr(_state, "taken", None) is not None
+
+
+def locked(lock, fn):
+    """`fn()` traced so that its ops run while `lock` (a `MutexV2` handle) is held; returns
+    `(fn's result, the op that lets the lock go)`.
+
+    The lock is let go once every op `fn` made has run (`tf.CriticalSection` waits only for
+    the ops its result depends on: an update's assigns are not all in its result).
+    """
+    graph = tf.compat.v1.get_default_graph()
+    before = len(graph.get_operations())
+    held = tf.raw_ops.MutexLock(mutex=lock)
+    with tf.control_dependencies([held]):
+        result = fn()
+    made = [op for op in graph.get_operations()[before:] if op is not held.op]
+    with tf.control_dependencies(made):
+        released = tf.raw_ops.ConsumeMutexLock(mutex_lock=held)
+    return result, released
+
+
+class ShardSnapshot:
+    """Reads every master of one shard between two of its updates (see the module docstring).
+
+    Args:
+      device: the ps task's device.
+      lock: the run's update lock there (`protocol.open_update_lock`).
+      masters: the shard's master variables read whole (the mirrors' masters).
+    """
+
+    def __init__(self, device, lock, masters):
+        self.device = device
+        self.lock = lock
+        self.masters = list(masters)
+        self.tables = []
+        self._take = tf.function(self._take_fn)
+        for master in self.masters:
+            master.snapshot = self
+        _tf_compat.keras_whole_model_reads(consistent_reads)
+
+    def add_tables(self, parts):
+        """Adds the masters of the shard's parts of tables kept on the ps tasks (before the
+        first snapshot), read in chunks."""
+        self.tables += parts
+        for master in parts:
+            master.snapshot = self
+
+    def _take_fn(self):
+        def read():
+            return [tf.identity(m.read_value()) for m in self.masters + self.tables]
+
+        values, released = locked(self.lock, read)
+        with tf.control_dependencies([released]):
+            return [tf.identity(v) for v in values]
+
+    def value(self, master):
+        """`master`'s value: inside `consistent_reads()`, its shard's snapshot's (of a table
+        part, a tensor on the ps task, to read in chunks)."""
+        if not active():
+            return master.read_value()
+        taken = _state.taken
+        if id(self) not in taken:
+            # Called on the ps task, the snapshot stays there: a value crosses to the
+            # worker when it is read (a table part's, chunk by chunk).
+            with tf.device(self.device):
+                values = self._take()
+            taken[id(self)] = dict(zip((id(m) for m in self.masters + self.tables), values))
+        return taken[id(self)][id(master)]
