@@ -24,6 +24,7 @@ from tfdist.ps.policies import AsyncPolicy
 from tfdist.ps.policies import AveragingPolicy
 from tfdist.ps.policies import SoftSyncPolicy
 from tfdist.ps.shard_optimizer import RunFailed
+from tfdist.ps.snapshot import consistent_reads
 from tfdist.ps.spec import ShardSpec
 from tfdist.ps.updater import ShardUpdateGraph
 from tfdist.ps.updater import shard_push_dtypes
@@ -105,11 +106,14 @@ class Shard:
     def value(self, path):
         return self.masters[path].numpy()
 
-    def optimizer_master(self, name):
-        """The master of the optimizer's variable `name` (`iteration`, a slot...)."""
+    def optimizer_path(self, name):
+        """The path of the optimizer's variable `name` (`iteration`, a slot...)."""
         path, = [e.path for e in self.spec.variables
                  if e.role == "optimizer" and e.path.endswith("/" + name)]
-        return self.masters[path]
+        return path
+
+    def optimizer_master(self, name):
+        return self.masters[self.optimizer_path(name)]
 
     def progress_dict(self):
         """The run's progress, with the pushes dropped since the last update (the next
@@ -370,6 +374,11 @@ class ConsistentReadTest(tf.test.TestCase):
                 keras.layers.Dense(2 if i == 0 else 3, name=f"dense{i}")
                 for i in range(layers)], name="model")
         self.assertEqual([v.path for v in model.weights], [e["path"] for e in variables])
+        # The optimizer's step counter, which a checkpoint holds too.
+        path = shard.optimizer_path("iteration")
+        iteration = MirrorVariable.create(path, "optimizer",
+                                          initial_value=tf.constant(0, tf.int64))
+        iteration.bind(client.masters[path])
         model.get_weights()  # traced before the updates start
         # Worker 0 pushes a gradient of 1 everywhere, again and again: after n updates each
         # value is -n. The updater applies them while this thread reads the model.
@@ -393,7 +402,9 @@ class ConsistentReadTest(tf.test.TestCase):
             deadline = time.monotonic() + 120
             while len(set(seen)) < reads:  # the reads overlap the updates
                 self.assertLess(time.monotonic(), deadline, f"no updates: {seen}")
-                steps = sorted({int(round(-x)) for w in model.get_weights() for x in w.ravel()})
+                with consistent_reads():  # as a checkpoint reads the model and optimizer
+                    steps = sorted({int(round(-x)) for w in model.get_weights()
+                                    for x in w.ravel()} | {int(iteration.numpy())})
                 self.assertLen(steps, 1, f"one read saw the weights of updates {steps}")
                 seen.append(steps[0])
         finally:
