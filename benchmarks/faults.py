@@ -60,7 +60,7 @@ flags.DEFINE_integer("epochs", 9, "Epochs of each worker.", lower_bound=2)
 flags.DEFINE_integer("repeat", 8, "Copies of its shard in a worker's epoch.", lower_bound=1)
 flags.DEFINE_integer("fault_epoch", 3, "The fault comes when the faulted worker has trained "
                      "this many epochs.", lower_bound=1)
-flags.DEFINE_float("stall_timeout", 10.0, "The ps strategies' stall_timeout (seconds).")
+flags.DEFINE_float("stall_timeout", 10.0, "Every strategy's stall_timeout (seconds).")
 flags.DEFINE_float("pause", 5.0, "Seconds a paused worker stays stopped.")
 flags.DEFINE_float("restart_delay", 2.0, "Seconds between a kill and the restart.")
 flags.DEFINE_float("end_timeout", 120.0, "Seconds the job gets to end after the fault.")
@@ -101,14 +101,15 @@ def strategies():
                                          f"--strategy_arg=replicas_to_aggregate={m - 1}", stall],
                                         1),
         "async": (["--strategy=async", stall], 1),
-        "SGP": (["--strategy=sgp"], 0),
+        "SGP": (["--strategy=sgp", stall], 0),
     }
 
 
 def _last_error(lines, task):
-    """The last line of `task` that names an error (a traceback's last line, tfdist's)."""
+    """The last line of `task` that names an error (a traceback's last line, tfdist's: an
+    in-graph assert's message quotes it)."""
     found = [text.strip() for name, text in lines if name == task
-             and ("Error" in text or text.lstrip().startswith("tfdist:"))]
+             and ("Error" in text or "tfdist:" in text)]
     return found[-1][:300] if found else None
 
 

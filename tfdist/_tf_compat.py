@@ -447,7 +447,7 @@ def create_remote_session(session):
 
     A session on a remote server is created there (a CreateSession RPC, with the session's
     `operation_timeout_in_ms`) by its first run. The liveness probe
-    (`tfdist.ps.membership.ServerProbe`) creates it without running anything, so that no op
+    (`tfdist.cluster.probe.ServerProbe`) creates it without running anything, so that no op
     of the probed process needs a thread; TF's `Session` has only this private method for it
     (checked on TF 2.21).
     """

@@ -25,14 +25,14 @@ import types
 import tensorflow as tf
 
 from tfdist.cluster import pick_free_ports
+from tfdist.cluster.probe import ANSWERED
+from tfdist.cluster.probe import GONE
+from tfdist.cluster.probe import STALLED
+from tfdist.cluster.probe import ServerProbe
 from tfdist.ps import protocol
 from tfdist.ps.connection import PSWatchdog
-from tfdist.ps.membership import ANSWERED
-from tfdist.ps.membership import GONE
-from tfdist.ps.membership import STALLED
 from tfdist.ps.membership import LivenessWatcher
 from tfdist.ps.membership import Membership
-from tfdist.ps.membership import ServerProbe
 from tfdist.ps.protocol import EXPECTED
 from tfdist.ps.protocol import LIVE
 

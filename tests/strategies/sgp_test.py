@@ -10,7 +10,9 @@ import json
 import os
 import random
 import signal
+import threading
 import time
+import types
 
 import keras
 import numpy as np
@@ -27,6 +29,7 @@ from tests.strategies.ps_testing import run_cluster
 from tfdist.cluster import ClusterConfig
 from tfdist.cluster import pick_free_ports
 from tfdist.gossip import graphs
+from tfdist.gossip import node as node_lib
 from tfdist.gossip import protocol
 from tfdist.gossip.graphs import Schedule
 from tfdist.strategies.gossip import StochasticGradientPushStrategy
@@ -200,6 +203,7 @@ class ArgumentsTest(tf.test.TestCase):
                                                r"the step it was sent.*max_delay=2"),
             (dict(connect_timeout=0), r"`connect_timeout` must be a positive number"),
             (dict(peer_timeout=-1), r"`peer_timeout` must be a positive number"),
+            (dict(stall_timeout=0), r"`stall_timeout` must be a positive number"),
             (dict(inter_op_threads=0), r"`inter_op_threads` must be an integer >= 1"),
         ]
         for kwargs, message in cases:
@@ -241,6 +245,48 @@ class ArgumentsTest(tf.test.TestCase):
         self.assertEqual([int(tags[0]), int(ranks[0]), int(infos[0])], [2 ** 40 + 3, 5, -7])
         self.assertAllEqual(weights, [0.25])
         self.assertAllEqual(values, [[1.5, -2.0]])
+
+
+class PeerWatchTest(tf.test.TestCase):
+
+    def test_a_peer_that_stops_answering_is_reported_after_stall_timeout(self):
+        # A peer whose port accepts connections but whose server does not answer (a stopped
+        # process, a hung machine: `ServerProbe` says STALLED, tests/ps/membership_test.py)
+        # is reported after `stall_timeout`, named with why; one that answers never is.
+        answers = {"localhost:1": node_lib.STALLED, "localhost:2": node_lib.ANSWERED}
+
+        class Probe:
+            def __init__(self, timeout):
+                self.timeout = timeout
+                self.errors = {"localhost:1": "DeadlineExceededError: Deadline Exceeded"}
+
+            def __call__(self, address, task):
+                return answers[address]
+
+            def close(self):
+                pass
+
+        node = node_lib.GossipNode.__new__(node_lib.GossipNode)
+        node.rank, node.num_workers, node.task_name = 0, 3, "/job:worker/task:0"
+        node.names = [f"/job:worker/task:{r}" for r in range(3)]
+        node.addresses = ["localhost:0", "localhost:1", "localhost:2"]
+        node.expected, node.peer_timeout, node.stall_timeout = {1, 2}, 10.0, 1.0
+        node.courier = types.SimpleNamespace(poll=lambda: None)
+        node._lock, node._stop, node._why = threading.Lock(), threading.Event(), {}
+        reported = []
+        node._report = reported.append
+        original = node_lib.ServerProbe
+        node_lib.ServerProbe = Probe
+        try:
+            start = time.monotonic()
+            node._watch()  # returns once it has reported
+        finally:
+            node_lib.ServerProbe = original
+        self.assertEqual(reported, [1])
+        self.assertGreaterEqual(time.monotonic() - start, 1.0)
+        self.assertRegex(node.dead_message(1),
+                         r"/job:worker/task:1 at localhost:1 stopped answering \(no answer for "
+                         r"\d+ s, stall_timeout=1 s; DeadlineExceededError: Deadline Exceeded\)")
 
 
 class ClusterTest(tf.test.TestCase):

@@ -96,6 +96,9 @@ INIT_TIMEOUT_ENV = "TFDIST_INIT_TIMEOUT"
 # Set by `tfdist-launch --stall_timeout`: the default `stall_timeout` of the parameter-server
 # strategies.
 STALL_TIMEOUT_ENV = "TFDIST_STALL_TIMEOUT"
+# Seconds a task whose port accepts connections may go without answering an RPC before it is
+# dead (a stopped process, a hung machine): the default `stall_timeout`.
+DEFAULT_STALL_TIMEOUT = 60.0
 # The id of the job a task belongs to, the same in every task of one launch and in a task its
 # scheduler restarts (`LocalCluster` sets a new one per cluster): a run on the ps tasks
 # belongs to one job (`tfdist.ps.worker.job_id`).

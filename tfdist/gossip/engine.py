@@ -27,6 +27,8 @@ from tfdist._args import check_seconds
 from tfdist._worker import BetweenGraphExtendedMixin
 from tfdist.cluster import as_cluster_config
 from tfdist.cluster.network import CONNECT_TIMEOUT_ENV
+from tfdist.cluster.network import DEFAULT_STALL_TIMEOUT
+from tfdist.cluster.network import STALL_TIMEOUT_ENV
 from tfdist.cluster.network import timeout_from_env
 from tfdist.gossip import graphs
 from tfdist.gossip import protocol
@@ -65,7 +67,7 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
 
     def __init__(self, container_strategy, graph="exponential", peers_per_step=1, overlap=True,
                  max_delay=1, final_average=True, cluster=None, connect_timeout=None,
-                 peer_timeout=10.0, inter_op_threads=1):
+                 peer_timeout=10.0, inter_op_threads=1, stall_timeout=None):
         config = as_cluster_config(cluster)
         if config.task_type not in ("chief", "worker"):
             raise ValueError(f"Stochastic Gradient Push runs in `chief` or `worker` tasks. "
@@ -79,11 +81,14 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
                                          final_average, num_workers)
         if connect_timeout is None:  # tfdist-launch --kubernetes exports a longer one
             connect_timeout = timeout_from_env(CONNECT_TIMEOUT_ENV, 60.0)
+        if stall_timeout is None:  # tfdist-launch --stall_timeout exports one
+            stall_timeout = timeout_from_env(STALL_TIMEOUT_ENV, DEFAULT_STALL_TIMEOUT)
         for name, value in (("connect_timeout", connect_timeout),
-                            ("peer_timeout", peer_timeout)):
+                            ("peer_timeout", peer_timeout), ("stall_timeout", stall_timeout)):
             check_seconds(name, value)
         check_int("inter_op_threads", inter_op_threads, "an integer >= 1", low=1)
-        node = GossipNode(config, connect_timeout, peer_timeout, inter_op_threads)
+        node = GossipNode(config, connect_timeout, peer_timeout, inter_op_threads,
+                          stall_timeout)
         super().__init__(container_strategy, node.compute_device)
         self._node = self._connection = node  # `_connection`: for WorkerTasksMixin
         self._overlap = overlap

@@ -27,6 +27,12 @@ from tfdist._worker import compute_device
 from tfdist.cluster import is_listening
 from tfdist.cluster import pick_free_ports
 from tfdist.cluster import wait_for_tasks
+from tfdist.cluster.network import DEFAULT_STALL_TIMEOUT
+from tfdist.cluster.probe import ANSWERED
+from tfdist.cluster.probe import GONE
+from tfdist.cluster.probe import PROBE_TIMEOUT
+from tfdist.cluster.probe import STALLED
+from tfdist.cluster.probe import ServerProbe
 from tfdist.gossip import protocol
 
 log = logging.getLogger("tfdist")
@@ -47,9 +53,13 @@ class GossipNode:
       peer_timeout: seconds a peer may refuse connections before it is taken for dead.
       inter_op_threads: inter-op threads of this worker's TF executor, besides the one its
         courier's waiting dequeue holds.
+      stall_timeout: seconds a peer whose port accepts connections may go without answering
+        an RPC (`tfdist.cluster.probe.ServerProbe`) before it is taken for dead: a stopped
+        process, a hung machine.
     """
 
-    def __init__(self, config, connect_timeout, peer_timeout, inter_op_threads):
+    def __init__(self, config, connect_timeout, peer_timeout, inter_op_threads,
+                 stall_timeout=DEFAULT_STALL_TIMEOUT):
         if _started:
             raise ValueError("this process already runs a StochasticGradientPushStrategy: a "
                              "process has one TF server, and trains in one SGP run")
@@ -64,6 +74,8 @@ class GossipNode:
         self.host_device = protocol.task_device(tasks[self.rank])
         self.compute_device = compute_device(config.task_type, config.task_index)
         self.peer_timeout = peer_timeout
+        self.stall_timeout = stall_timeout
+        self._why = {}  # rank -> why it was taken for dead
         self._start_server(inter_op_threads)
         _started.append(self)
         # The courier's own server port: it only connects out (to the peers' ports), nothing
@@ -166,9 +178,10 @@ class GossipNode:
         if dead == self.num_workers:
             return (f"tfdist: the courier of {self.task_name} (the process that carries its "
                     "messages to its peers) exited; Stochastic Gradient Push cannot go on")
-        return (f"tfdist: {self.names[dead]} at {self.addresses[dead]} stopped answering: its "
-                f"messages cannot reach {self.task_name}, and Stochastic Gradient Push cannot "
-                "go on without them. Restart the job")
+        why = self._why.get(dead)
+        return (f"tfdist: {self.names[dead]} at {self.addresses[dead]} stopped answering"
+                f"{f' ({why})' if why else ''}: its messages cannot reach {self.task_name}, "
+                "and Stochastic Gradient Push cannot go on without them. Restart the job")
 
     def done_with(self, sender):
         """Stops watching `sender`: every message it will send here has been taken."""
@@ -176,24 +189,38 @@ class GossipNode:
             self.expected.discard(sender)
 
     def _watch(self):
-        down_since = {}
-        while not self._stop.wait(0.5):
-            if self.courier.poll() is not None:
-                self._report(self._blame_for_courier())
-                return
-            with self._lock:
-                peers = sorted(self.expected)
-            now = time.monotonic()
-            for peer in peers:
-                if is_listening(self.addresses[peer], timeout=0.5):
-                    down_since.pop(peer, None)
-                    continue
-                if now - down_since.setdefault(peer, now) >= self.peer_timeout:
+        """Every half second: the courier is alive, and each peer whose messages this worker
+        still waits for answers an RPC. One that refuses connections for `peer_timeout`, or
+        accepts them but does not answer for `stall_timeout`, is reported dead."""
+        probe = ServerProbe(timeout=min(PROBE_TIMEOUT, self.stall_timeout))
+        silent_since = {}
+        try:
+            while not self._stop.wait(0.5):
+                if self.courier.poll() is not None:
+                    self._report(self._blame_for_courier())
+                    return
+                with self._lock:
+                    peers = sorted(self.expected)
+                for peer in peers:
+                    answer = probe(self.addresses[peer], self.names[peer])
+                    now = time.monotonic()
+                    if answer == ANSWERED:
+                        silent_since.pop(peer, None)
+                        continue
+                    silent = now - silent_since.setdefault(peer, now)
+                    if silent < (self.peer_timeout if answer == GONE else self.stall_timeout):
+                        continue
                     with self._lock:
                         still_expected = peer in self.expected
                     if still_expected:
+                        self._why[peer] = (
+                            f"no answer for {silent:.0f} s, stall_timeout="
+                            f"{self.stall_timeout:g} s; {probe.errors.get(self.addresses[peer])}"
+                            if answer == STALLED else "nothing accepts connections there")
                         self._report(peer)
                         return
+        finally:
+            probe.close()
 
     def _blame_for_courier(self):
         """Who to name when the courier exited: a peer it was to reach that does not listen

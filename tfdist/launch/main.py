@@ -144,10 +144,11 @@ flags.DEFINE_float("connect_timeout", None,
 flags.DEFINE_float("stall_timeout", None,
                    "Seconds a task whose port accepts connections may go without answering an "
                    "RPC before it is treated as dead (a stopped process, a hung machine): the "
-                   "default stall_timeout of the parameter-server strategies its worker "
-                   "commands make (TFDIST_STALL_TIMEOUT). A ps drops a silent worker after "
-                   "it (soft sync and async go on, hard sync fails naming it); a worker whose "
-                   "ps is silent that long ends with an error naming it. Default: the "
+                   "default stall_timeout of the parameter-server and SGP strategies its "
+                   "worker commands make (TFDIST_STALL_TIMEOUT). A ps drops a silent worker "
+                   "after it (soft sync and async go on, hard sync fails naming it); a worker "
+                   "whose ps, or SGP peer, is silent that long ends with an error naming it. "
+                   "Default: the "
                    "strategies' 60 s (or their stall_timeout argument).")
 flags.DEFINE_float("exit_after_workers_gone", None,
                    "ps tasks: exit once every worker has answered and then none has for this "

@@ -83,7 +83,7 @@ class WorkersGone:
     A Kubernetes job ends when its workers' Job completes, but nothing stops a ps pod: its
     server would serve (and hold its node) until someone deletes it. With a `WorkersGone`,
     `serve` ends the ps by itself: it probes the training tasks' servers with an RPC under a
-    deadline, as the ps's liveness watcher does (`tfdist.ps.membership.ServerProbe`: a
+    deadline, as the ps's liveness watcher does (`tfdist.cluster.probe.ServerProbe`: a
     stopped process, or a hung machine, whose port still accepts connections, does not
     answer), and once none has answered for `grace` seconds, the job is over:
 
@@ -120,7 +120,7 @@ class WorkersGone:
         self.addresses = dict(addresses)
         self.grace, self.startup, self.interval = grace, startup, interval
         if probe is None:
-            from tfdist.ps.membership import ServerProbe  # TensorFlow: imported by a ps only
+            from tfdist.cluster.probe import ServerProbe  # TensorFlow: imported by a ps only
 
             self._server_probe = ServerProbe()
             probe = self._answers
@@ -132,7 +132,7 @@ class WorkersGone:
         self._tasks = {address: name for name, address in self.addresses.items()}
 
     def _answers(self, address):
-        from tfdist.ps.membership import ANSWERED
+        from tfdist.cluster.probe import ANSWERED
 
         return self._server_probe(address, self._tasks[address]) == ANSWERED
 

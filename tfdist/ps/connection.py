@@ -11,9 +11,9 @@ from tfdist._worker import compute_device
 from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import as_cluster_config
 from tfdist.cluster import wait_for_tasks
-from tfdist.ps.membership import ANSWERED
-from tfdist.ps.membership import ProbePool
-from tfdist.ps.membership import ServerProbe
+from tfdist.cluster.probe import ANSWERED
+from tfdist.cluster.probe import ProbePool
+from tfdist.cluster.probe import ServerProbe
 
 log = logging.getLogger("tfdist")
 

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Optional
 
 from tfdist._args import check_seconds
+from tfdist.cluster.network import DEFAULT_STALL_TIMEOUT
 
 # Roles of a shard's variables.
 GRADIENT = "gradient"    # trainable: its gradient is pushed, the optimizer applies the mean
@@ -23,10 +24,6 @@ ROWS = "rows"            # model averaging: a table (or its slot) every worker t
                          # averaged by the rows changed in a round (pushed and replied as rows)
 ROLES = (GRADIENT, VALUE, AVERAGE, OPTIMIZER, TABLE, ROWS)
 PUSHED_ROLES = (GRADIENT, VALUE, AVERAGE)
-
-# Seconds a task whose port accepts connections may go without answering an RPC before it is
-# dead (a stopped process, a hung machine): the default `stall_timeout` of a run.
-DEFAULT_STALL_TIMEOUT = 60.0
 
 # The fields of an entry that must agree between every worker of a run.
 _COMPARED_FIELDS = ("shape", "dtype", "role", "rows", "sparse", "outer", "table",

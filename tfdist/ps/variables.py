@@ -169,7 +169,7 @@ class MirrorVariable(_tf_compat.ResourceVariable):
                 # (A plain variable: the class made directly, past the strategy's creator.)
                 self._tfdist_last_read = _tf_compat.ResourceVariable(
                     super()._read_variable_op(), trainable=False,
-                    name=self._shared_name + "_last_read")
+                    name=self.name.partition(":")[0] + "_last_read")
         if rows is None and self._tfdist_masters:
             self._tfdist_copies = (*self._tfdist_copies, master)
         else:

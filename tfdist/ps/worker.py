@@ -28,6 +28,7 @@ from tfdist._args import check_seconds
 from tfdist._process import end_with_last_word
 from tfdist._worker import BetweenGraphExtendedMixin
 from tfdist.cluster.network import CONNECT_TIMEOUT_ENV
+from tfdist.cluster.network import DEFAULT_STALL_TIMEOUT
 from tfdist.cluster.network import INIT_TIMEOUT_ENV
 from tfdist.cluster.network import JOB_ID_ENV
 from tfdist.cluster.network import STALL_TIMEOUT_ENV
@@ -45,7 +46,6 @@ from tfdist.ps.connection import PSWatchdog
 from tfdist.ps.push import check_split
 from tfdist.ps.push_codec import PushCodec
 from tfdist.ps.push_codec import push_compressor
-from tfdist.ps.spec import DEFAULT_STALL_TIMEOUT
 from tfdist.ps.spec import ShardSpec
 from tfdist.ps.spec import VariableEntry
 from tfdist.ps.table_set import TableRule

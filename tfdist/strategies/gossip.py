@@ -67,6 +67,11 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
         `TFDIST_CONNECT_TIMEOUT` that `tfdist-launch` exports, else 60).
       peer_timeout: seconds a peer may refuse connections before it is taken for dead: a
         step (or `join`) waiting for its messages then fails with an error naming it.
+      stall_timeout: seconds a peer whose port still accepts connections may go without
+        answering an RPC before it is taken for dead the same way (a stopped process, a hung
+        machine; its server's RPC threads answer while it computes, so a slow peer is never
+        cut off). None: the `TFDIST_STALL_TIMEOUT` that `tfdist-launch --stall_timeout`
+        exports, else 60.
       inter_op_threads: inter-op threads of this worker's TF executor (one more is added
         for the courier's waiting dequeue).
 
@@ -80,12 +85,12 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
 
     def __init__(self, graph="exponential", peers_per_step=1, overlap=True, max_delay=1,
                  final_average=True, cluster=None, connect_timeout=None, peer_timeout=10.0,
-                 inter_op_threads=1):
+                 inter_op_threads=1, stall_timeout=None):
         super().__init__(StochasticGradientPushExtended(
             self, graph=graph, peers_per_step=peers_per_step, overlap=overlap,
             max_delay=max_delay, final_average=final_average, cluster=cluster,
             connect_timeout=connect_timeout, peer_timeout=peer_timeout,
-            inter_op_threads=inter_op_threads))
+            inter_op_threads=inter_op_threads, stall_timeout=stall_timeout))
 
     def shard(self, *arrays):
         """This worker's block of each array, every worker's the same size.

@@ -128,7 +128,7 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
       stall_timeout: seconds a task whose port accepts connections may go without
         answering an RPC before it is treated as dead: a stopped process or a hung machine
         (SIGSTOP, a GPU driver, NFS, a swap storm), which a TCP check takes for alive. The
-        ps tasks probe the workers' servers (`tfdist.ps.membership.ServerProbe`, every half
+        ps tasks probe the workers' servers (`tfdist.cluster.probe.ServerProbe`, every half
         second, each probe with a 2 s deadline): a worker silent for `stall_timeout` is
         dead, named in the logs, and treated as a killed one (soft sync and async go on
         without it, hard sync fails naming it, the chief's `join()` stops waiting for
