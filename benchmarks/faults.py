@@ -89,8 +89,9 @@ SCENARIOS = {
 }
 QUICK = {"epochs": 3, "repeat": 2, "fault_epoch": 1, "stall_timeout": 6.0, "pause": 3.0,
          "end_timeout": 60.0, "preload": True}
-QUICK_SCENARIOS = {"soft sync": ["restart a worker", "pause the chief", "hang a worker"],
-                   "async": ["kill the chief"], "SGP": ["pause a worker"]}
+QUICK_SCENARIOS = {"soft sync": ["restart a worker", "restart the chief", "pause the chief",
+                                 "hang a worker"],
+                   "async": ["kill the chief"], "SGP": ["pause a worker", "hang a worker"]}
 
 
 def strategies():

@@ -19,6 +19,7 @@ from tfdist.cluster import parse_tf_config
 from tfdist.cluster.kubernetes import cluster_for_job
 from tfdist.cluster.kubernetes import pod_cluster_config
 from tfdist.launch.kubernetes import PS_UNREACHABLE_EXIT_CODE
+from tfdist.launch.kubernetes import TOKEN_LABEL
 from tfdist.launch.kubernetes import check_quantity
 from tfdist.launch.kubernetes import manifests
 from tfdist.launch.kubernetes import to_yaml
@@ -243,6 +244,9 @@ class ManifestTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual((env["DEBUG"], env["SEED"], env["EMPTY"]), ("true", "007", ""))
         # stall_timeout reaches the workers' strategies as their default.
         self.assertEqual(env["TFDIST_STALL_TIMEOUT"], "90.0")
+        # Every pod is of one job (the run on the ps tasks belongs to it): name and token.
+        token = parsed[-1]["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"]
+        self.assertEqual(env["TFDIST_JOB_ID"], f"digits-{token[TOKEN_LABEL]}")
 
     @parameterized.named_parameters(
         ("name_digit_first", {"name": "9digits"}, "`name` must be a DNS label.*starting with a "

@@ -173,6 +173,17 @@ class ServiceTest(tf.test.TestCase):
                               refused_import(spec(imports=imports), allowed))
         # A staleness function runs on the ps: Keras's and tfdist's functions are not ones
         # (a message could name any of them); tfdist's own go by name.
+        # Only a function defined in the module named: not an object it imported.
+        from tfdist.ps.policies import resolve_function
+        self.assertEqual(resolve_function("tests.strategies.ps_functions:frozen").__name__,
+                         "frozen")
+        with self.assertRaisesRegex(ValueError, r"'tfdist.ps.policies:math.prod' names .* "
+                                                r"not defined in 'tfdist.ps.policies'"):
+            resolve_function("tfdist.ps.policies:math.prod")
+        # A name that is neither tfdist's own nor `module:function` would be imported as is.
+        self.assertIn("must be one of ['inverse', 'none'] or `module:function`",
+                      refused_import(spec(policy={"name": "async", "staleness": "this"}),
+                                     allowed))
         for function in ("keras.utils:get_file", "tfdist.launch.main:main"):
             with self.subTest(staleness=function):
                 error = refused_import(spec(policy={"name": "async", "staleness": function}),

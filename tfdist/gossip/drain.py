@@ -84,7 +84,9 @@ class Drain:
                 self._dead(sender, info)
             else:
                 raise PeerError(f"tfdist: an unexpected gossip message (tag {tag}) from "
-                                f"{node.names[sender]} reached {node.task_name}")
+                                f"{node.names[sender]} reached {node.task_name}: every worker "
+                                "must run the same tfdist version, strategy arguments and "
+                                "`graph`")
             self._maybe_done(sender)
 
     def _dead(self, sender, dead):

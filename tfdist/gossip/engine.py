@@ -228,7 +228,8 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
                 if tag != protocol.SCHEDULE or info != steps:
                     raise PeerError(f"tfdist: an unexpected gossip message (tag {tag}) from "
                                     f"{node.names[sender]} reached {node.task_name} before "
-                                    "the first step")
+                                    "the first step: every worker must run the same tfdist "
+                                    "version, strategy arguments and `graph`")
                 theirs[sender] = values.numpy()[:steps].astype(np.int64)
         try:
             graphs.check_agreement(self._schedule, node.names, node.rank, theirs)

@@ -40,6 +40,7 @@ from tfdist._args import check_seconds
 from tfdist.cluster.kubernetes import CONNECT_TIMEOUT
 from tfdist.cluster.kubernetes import WORKERS_GONE_GRACE
 from tfdist.cluster.kubernetes import check_job_name
+from tfdist.cluster.network import JOB_ID_ENV
 from tfdist.cluster.network import STALL_TIMEOUT_ENV
 
 KINDS = ("plain", "tfjob")
@@ -205,7 +206,10 @@ def manifests(name, image, command, num_ps=1, num_workers=2, namespace="default"
     check_int("run_as_user", run_as_user, "a user id >= 1 (pods run as non-root), or None for "
               "the image's own non-root user", low=1, allow_none=True)
     token = secrets.token_hex(16) if token is None else token
+    # Every pod of this job, and one its Job starts again, is of one job (the run on the ps
+    # tasks belongs to it): the job's name and this manifest's token.
     env = {"TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE": "False", "PYTHONUNBUFFERED": "1",
+           JOB_ID_ENV: f"{name}-{token}",
            **({} if stall_timeout is None else {STALL_TIMEOUT_ENV: repr(float(stall_timeout))}),
            **(env or {})}
     if isinstance(ps_imports, str) or not all(isinstance(m, str) and m for m in ps_imports):

@@ -53,11 +53,15 @@ def function_reference(function, argument):
 
 
 def resolve_function(reference):
-    """The function named by `function_reference`."""
+    """The function named by `function_reference`: one defined in the module it names (not
+    another module's object reached through its attributes, such as an imported `os`)."""
     module, _, qualname = reference.partition(":")
     value = importlib.import_module(module)
     for part in qualname.split("."):
         value = getattr(value, part)
+    if getattr(value, "__module__", None) != module:
+        raise ValueError(f"{reference!r} names {value!r}, which is not defined in {module!r}: "
+                         f"a staleness function must be defined in the module it is named by")
     return value
 
 

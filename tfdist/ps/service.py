@@ -42,6 +42,7 @@ from tfdist.ps.membership import LivenessWatcher
 from tfdist.ps.membership import Membership
 from tfdist.ps.membership import check_rank
 from tfdist.ps.membership import control_message
+from tfdist.ps.policies import STALENESS_FUNCTIONS
 from tfdist.ps.policies import policy_from_spec
 from tfdist.ps.protocol import DIED
 from tfdist.ps.protocol import EXPECTED
@@ -318,7 +319,11 @@ def refused_import(spec, allowed):
     """
     staleness = spec.policy.get("staleness") if isinstance(spec.policy, dict) else None
     references = [(str(module), OWN_MODULES) for module in spec.imports]
-    if isinstance(staleness, str) and ":" in staleness:
+    if staleness is not None and staleness not in STALENESS_FUNCTIONS:
+        if not (isinstance(staleness, str) and ":" in staleness):
+            return (f"the workers' spec names the staleness function {staleness!r}: it must be "
+                    f"one of {sorted(STALENESS_FUNCTIONS)} or `module:function` (a function of "
+                    "a module named on the ps task's command line)")
         references.append((staleness, ()))
     for reference, own in references:
         module = reference.partition(":")[0]

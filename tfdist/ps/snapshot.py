@@ -46,8 +46,9 @@ def consistent_reads():
 
 
 def active():
-    """Whether this thread is inside `consistent_reads()`."""
-    return getattr(_state, "taken", None) is not None
+    """Whether this thread is inside `consistent_reads()`, executing eagerly (a function
+    traced meanwhile reads its variables as they are: a snapshot's tensors are eager)."""
+    return getattr(_state, "taken", None) is not None and tf.executing_eagerly()
 
 
 def locked(lock, fn):
