@@ -187,7 +187,10 @@ class ShardRun:
             if time.monotonic() > deadline:
                 raise RunFailed(f"{chief} did not initialise the master variables within "
                                 f"{self.spec.init_timeout:g} s: is it running the same "
-                                "model code?")
+                                "model code? Or was this ps task started again, empty, "
+                                "under a run the other ps tasks hold (the chief refuses "
+                                "such a run)? Then restart the job from the chief's last "
+                                "checkpoint")
             time.sleep(delay)
             delay = min(0.1, delay * 2)
         with tf.device(self.device):
