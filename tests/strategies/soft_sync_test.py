@@ -299,6 +299,7 @@ class FaultTest(tf.test.TestCase, parameterized.TestCase):
         self.assertGreater(min(s[-1] for s in steps), min(s[0] for s in steps))
         chief = load_result(out, "worker0.json")
         self.assertLen(chief["history"]["loss"], 1, cluster_log(cluster))
+        self.assertEqual(load_result(out, "second_fit.json")["epochs"], 1, cluster_log(cluster))
         self.assertEqual((chief["left"], chief["dead"]), ([1, 2], [0]))
         # The weights of the last worker to leave are the run's final ones.
         last = max(results, key=lambda result: result["progress"]["updates"])

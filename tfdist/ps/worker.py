@@ -240,7 +240,11 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
         if previous is None and self.run_finished and step.trained:
             model = _tf_compat.keras_model_of_step(fn)
             if model is not None:
+                log.warning("tfdist: %s: its run finished; this fit trains nothing and ends "
+                            "after one step", self._connection.task_name)
                 model.stop_training = True  # `fit` ends after this (untrained) step
+                # (Set as the step is traced: a later `fit` traces it again, and ends too.)
+                model.train_function = None
             return result
         if previous is not None:
             # A nested call (a LossScaleOptimizer applies in its own replica call): the
