@@ -21,6 +21,17 @@ import machine  # noqa: E402
 import report  # noqa: E402
 
 
+def _report_of(out, results):
+    """report.md written from `results` (`{name: the JSON of benchmarks/results/<name>.json}`)
+    put in `out`."""
+    for name, value in results.items():
+        with open(os.path.join(out, name + ".json"), "w") as f:
+            json.dump(value, f)
+    report.write_report(out)
+    with open(os.path.join(out, "report.md")) as f:
+        return f.read()
+
+
 class CapacityModelTest(tf.test.TestCase):
 
     def test_order_statistic(self):
@@ -138,12 +149,7 @@ class ReportTest(tf.test.TestCase):
                    "timing": {"100mbit, N=2": timing, "100mbit, N=4": timing},
                    "part_commits": {"timing/100mbit, N=2": "d" * 12,
                                     "timing/100mbit, N=4": "e" * 12}}
-        for name, value in (("rates", rates), ("network", network)):
-            with open(os.path.join(out, name + ".json"), "w") as f:
-                json.dump(value, f)
-        report.write_report(out)
-        with open(os.path.join(out, "report.md")) as f:
-            text = f.read()
+        text = _report_of(out, {"rates": rates, "network": network})
         self.assertIn("Measured at commit `cccccccccccc`.", text)
         rows = {line.split(" | ")[0].strip("| "): line.split(" | ")
                 for line in text.splitlines() if line.startswith("| ")}
@@ -237,22 +243,14 @@ class EmbeddingReportTest(tf.test.TestCase):
 
     def test_report_names_the_commit_and_writes_the_plot(self):
         out = self.get_temp_dir()
-        with open(os.path.join(out, "embedding.json"), "w") as f:
-            json.dump(_embedding_fixture(), f)
-        report.write_report(out)
-        with open(os.path.join(out, "report.md")) as f:
-            text = f.read()
+        text = _report_of(out, {"embedding": _embedding_fixture()})
         self.assertIn("## Embedding tables: a recommendation job against V\n\n"
                       "Measured at commit `0123456789ab+dirty`.", text)
         self.assertGreater(os.path.getsize(os.path.join(out, "embedding.png")), 1000)
         # A run of repeats of one shape (`--out=.../embedding_repeats`): a section of its own.
         repeats = _embedding_fixture()
         repeats["settings"].update(workers=["2"], ps=["1"], repeats=3)
-        with open(os.path.join(out, "embedding_repeats.json"), "w") as f:
-            json.dump(repeats, f)
-        report.write_report(out)
-        with open(os.path.join(out, "report.md")) as f:
-            text = f.read()
+        text = _report_of(out, {"embedding_repeats": repeats})
         self.assertIn("## Embedding tables: a recommendation job against V, 3 repeats at 2 "
                       "workers, 1 ps\n\nMeasured at commit", text)
         self.assertIn("![embedding](embedding_repeats.png)", text)
@@ -325,9 +323,5 @@ class FaultsReportTest(tf.test.TestCase):
 
     def test_report_names_the_commit(self):
         out = self.get_temp_dir()
-        with open(os.path.join(out, "faults.json"), "w") as f:
-            json.dump(_faults_fixture(), f)
-        report.write_report(out)
-        with open(os.path.join(out, "report.md")) as f:
-            text = f.read()
+        text = _report_of(out, {"faults": _faults_fixture()})
         self.assertIn("## Faults on a running job\n\nMeasured at commit `fedcba987654`.", text)
