@@ -17,6 +17,7 @@ _spec = importlib.util.spec_from_file_location("capacity", _PATH)
 capacity = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(capacity)
 sys.path.insert(0, os.path.dirname(_PATH))
+import before_after  # noqa: E402
 import machine  # noqa: E402
 import report  # noqa: E402
 
@@ -294,6 +295,42 @@ def _faults_fixture():
                                          errors={"worker:0": "PeerError: tfdist: "
                                                  "/job:worker/task:3 at h:1 stopped answering"},
                                          updates="not known: no worker finished")}}}
+
+
+class BeforeAfterTest(tf.test.TestCase):
+
+    def test_rows_compare_by_spread_and_rows_of_one_side_are_listed(self):
+        # Older harnesses wrote a row's rate as a number, newer ones as {"median": x}.
+        self.assertEqual(before_after.rates_of({"rows": {"a": {"updates_per_second": 2.0},
+                                                         "b": {"updates_per_second":
+                                                               {"median": 3.0}}}}),
+                         {"a": 2.0, "b": 3.0})
+        runs = {"before": [{"async": 10.0, "sync": 5.0, "old": 1.0},
+                           {"async": 12.0, "sync": 6.0, "old": 1.0},
+                           {"async": 11.0, "sync": 5.5, "old": 1.0}],
+                "after": [{"async": 11.5, "sync": 9.0, "new": 2.0},
+                          {"async": 13.0, "sync": 8.0, "new": 2.0},
+                          {"async": 9.0, "sync": 10.0, "new": 2.0}]}
+        result = before_after.compare(runs)
+        self.assertEqual(result["only_one_side"], {"before": ["old"], "after": ["new"]})
+        self.assertEqual(result["rows"]["async"]["verdict"], "no difference (ranges overlap)")
+        self.assertEqual(result["rows"]["async"]["before"],
+                         {"median": 11.0, "min": 10.0, "max": 12.0})
+        self.assertEqual(result["rows"]["sync"]["verdict"], "1.64x (ranges apart)")
+        self.assertEqual(list(before_after.compare(runs, only=["async"])["rows"]), ["async"])
+        stamp = {"commit": "c" * 40, "load_before": [1.0, 1.0, 1.0],
+                 "load_after": [2.0, 2.0, 2.0],
+                 "settings": {"before": "a" * 40, "after": "b" * 40, "repeats": 3,
+                              "num_workers": 2}}
+        text = before_after.markdown({"stamp": stamp, **result})
+        self.assertIn("`aaaaaaaaaaaa` -> `bbbbbbbbbbbb`", text)
+        self.assertIn("| sync | 5.5 (5.0-6.0) | 9.0 (8.0-10.0) | 1.64x (ranges apart) |", text)
+        self.assertIn("Rows only before: old.", text)
+        # One run a side has no spread: its ratio is not called a difference.
+        one = before_after.compare({side: r[:1] for side, r in runs.items()}, only=["sync"])
+        self.assertEqual(one["rows"]["sync"]["verdict"],
+                         "1.80x (one run: no spread to judge it by)")
+        self.assertEqual(one["only_one_side"], {"before": [], "after": []})
 
 
 class FaultsReportTest(tf.test.TestCase):
