@@ -1,6 +1,7 @@
-"""TensorFlow's and Keras's private names are used in `tfdist/_tf_compat.py` only, so that
-an upgrade of either touches that file alone (issue 23); and each of its functions still
-reaches what it names in the installed TensorFlow and Keras, or fails here naming itself."""
+"""TensorFlow's and Keras's private names are used in the package `tfdist/_tf_compat/` only,
+so that an upgrade of either touches that package alone (issue 23); and each of its functions
+still reaches what it names in the installed TensorFlow and Keras, or fails here naming
+itself."""
 
 import ast
 import inspect
@@ -17,6 +18,7 @@ from tfdist import _tf_compat
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "tfdist"
 TESTS = ROOT.parent / "tests"
+COMPAT = ROOT / "_tf_compat"  # the one place private names may appear
 # Private modules, and the private attributes of Keras optimizers and variables that the
 # engines read (through `_tf_compat`'s functions).
 PRIVATE = re.compile(
@@ -37,6 +39,13 @@ def _is_super(node):
 
 def _private(name):
     return name.startswith("_") and not name.startswith("__")
+
+
+def _outside_compat():
+    """The modules of `tfdist/` outside `tfdist/_tf_compat/`."""
+    compat = sorted(COMPAT.rglob("*.py"))
+    assert compat, f"{COMPAT} holds no module"
+    return [path for path in sorted(ROOT.rglob("*.py")) if path not in compat]
 
 
 def private_names_outside(sources):
@@ -96,21 +105,23 @@ class PrivateNamesTest(tf.test.TestCase):
 
     def test_private_tf_and_keras_names_only_in_tf_compat(self):
         found = []
-        for path in sorted(ROOT.rglob("*.py")):
-            if path.name == "_tf_compat.py":
-                continue
+        for path in _outside_compat():
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 if PRIVATE.search(line):
                     found.append(f"{path.relative_to(ROOT.parent)}:{number}: {line.strip()}")
-        self.assertEmpty(found, "private TF / Keras names outside tfdist/_tf_compat.py "
+        self.assertEmpty(found, "private TF / Keras names outside tfdist/_tf_compat/ "
                                 "(add a function there):\n" + "\n".join(found))
+        # The package itself is scanned the same way, and is where they are.
+        inside = [path for path in sorted(COMPAT.rglob("*.py"))
+                  if PRIVATE.search(path.read_text())]
+        self.assertNotEmpty(inside)
 
     def test_no_private_attribute_of_a_tf_or_keras_object_outside_tf_compat(self):
         sources = {str(path.relative_to(ROOT.parent)): path.read_text()
-                   for path in sorted(ROOT.rglob("*.py")) if path.name != "_tf_compat.py"}
+                   for path in _outside_compat()}
         found = private_names_outside(sources)
         self.assertEmpty(found, "private attributes of TF / Keras objects outside "
-                                "tfdist/_tf_compat.py (add a function there):\n"
+                                "tfdist/_tf_compat/ (add a function there):\n"
                          + "\n".join(found))
 
     def test_the_scan_finds_what_it_is_for(self):
@@ -178,6 +189,20 @@ def _tfdist_classes():
     return classes
 
 
+def _compat_functions():
+    """`{name: function}` of the public functions of `tfdist._tf_compat`'s submodules."""
+    import importlib
+    import pkgutil
+
+    functions = {}
+    for module in pkgutil.iter_modules(_tf_compat.__path__, _tf_compat.__name__ + "."):
+        loaded = importlib.import_module(module.name)
+        functions.update((name, value) for name, value in vars(loaded).items()
+                         if inspect.isfunction(value) and value.__module__ == module.name
+                         and not name.startswith("_"))
+    return functions
+
+
 # Accessors whose use needs a cluster, a traced Keras step or a gradient all-reduce: pinned
 # by the named test, which fails when the installed TF / Keras moves what they reach.
 PINNED_ELSEWHERE = {
@@ -216,9 +241,12 @@ class AccessorsTest(tf.test.TestCase):
                       f"{keras.__version__}: {error!r} (its docstring says what it reaches)")
 
     def test_every_accessor_is_exercised_here_or_pinned_by_a_named_test(self):
-        functions = [name for name, value in vars(_tf_compat).items()
-                     if inspect.isfunction(value) and value.__module__ == _tf_compat.__name__
-                     and not name.startswith("_")]
+        functions = _compat_functions()
+        self.assertNotEmpty(functions)
+        # Every accessor of a submodule is one name of `_tf_compat`, as tfdist calls it.
+        self.assertEmpty([name for name, value in functions.items()
+                          if getattr(_tf_compat, name, None) is not value],
+                         "re-export these in tfdist/_tf_compat/__init__.py")
         unexercised = [name for name in functions if not hasattr(self, f"test_{name}")
                        and name not in PINNED_ELSEWHERE and name not in self.TESTED_TOGETHER]
         self.assertEmpty(unexercised, "add a test_<accessor> here, or pin it in "

@@ -9,6 +9,11 @@ One `serve_updates` call takes pushes (`collect`: N of M, dropping pushes the po
 refuses), applies their mean (`apply`: the user's optimizer once per update, or the model
 average), and replies to the workers whose pushes it used, update after update, until a
 control entry (a worker joins, leaves, dies; the run stops) comes out of the push queue.
+
+This module builds the graph (the shard's Keras variables and optimizers) and holds its loop,
+its replies and what it records and releases (stale synchronous parallel's clocks among
+them); taking pushes is `CollectMixin`'s (`tfdist.ps.updater_collect`), applying their mean
+`ApplyMixin`'s (`tfdist.ps.updater_apply`).
 """
 
 import keras
@@ -20,15 +25,13 @@ from tfdist.ps import protocol
 from tfdist.ps import shard_optimizer
 from tfdist.ps import snapshot
 from tfdist.ps import wire
-from tfdist.ps.averaged_rows import averaged_rows
-from tfdist.ps.policies import HISTOGRAM_BUCKETS
-from tfdist.ps.policies import compensated_rows
-from tfdist.ps.policies import delay_compensated
 from tfdist.ps.policies import policy_from_spec
 from tfdist.ps.rowwise import RowwiseUpdate
 from tfdist.ps.shard_optimizer import RunFailed
 from tfdist.ps.shard_optimizer import ShardStrategy
 from tfdist.ps.spec import GRADIENT
+from tfdist.ps.updater_apply import ApplyMixin
+from tfdist.ps.updater_collect import CollectMixin
 
 _NO_CLOCK = 2 ** 62  # above any SSP clock
 
@@ -40,7 +43,7 @@ def shard_push_dtypes(layout, compressor):
     return wire.push_dtypes(payload, layout.num_row_pairs)
 
 
-class ShardUpdateGraph:
+class ShardUpdateGraph(CollectMixin, ApplyMixin):
     """The in-graph update loop of one shard, on already-open resources.
 
     Args:
@@ -155,25 +158,7 @@ class ShardUpdateGraph:
                     [[protocol.STAT_STEP]],
                     [tf.cast(self.optimizer.iterations.value, tf.int64)])
 
-    # State of an update being collected ------------------------------------------------------
-
-    def empty_state(self):
-        """What `collect` has taken towards the next update: nothing yet."""
-        zero = tf.constant(0, tf.int64)
-        return {"total": tf.zeros([self.layout.main_size]),
-                "values": tf.zeros([self.layout.value_size]),
-                "accepted": tf.constant(0), "dropped": zero,
-                "released": tf.zeros([self.num_workers], tf.bool),
-                "staleness_sum": zero, "staleness_max": zero,
-                "histogram": tf.zeros([HISTOGRAM_BUCKETS], tf.int64),
-                "last_rank": tf.constant(0),
-                # Each table's pushed rows and their flat values, every accepted push's.
-                "table_rows": [tf.zeros([0], tf.int64) for _ in self.layout.tables],
-                "table_values": [tf.zeros([0], tf.float32) for _ in self.layout.tables],
-                # Each table averaged by rows: the rows and values every accepted push
-                # carries.
-                "rows_ids": [tf.zeros([0], tf.int64) for _ in self.layout.rows],
-                "rows_values": [tf.zeros([0], tf.float32) for _ in self.layout.rows]}
+    # Replies ---------------------------------------------------------------------------------
 
     def _flat_values(self):
         return protocol.ShardLayout.flatten([v.value for v in self.variables])
@@ -188,56 +173,8 @@ class ShardUpdateGraph:
             rows = [(tf.zeros([0], tf.int64), tf.zeros([0])) for _ in self.layout.rows]
         return tf.concat([values, wire.rows_section(rows)], axis=0)
 
-    def _rows_since(self, tag, pushed):
-        """What a worker whose push (its rows `pushed`) was computed at global step `tag`
-        and dropped must take of each table averaged by rows: every row changed since, and
-        every row it changed itself, with their master values."""
-        out = []
-        for master, versions, (ids, _) in zip(self.rows_masters, self.row_versions, pushed):
-            changed = tf.reshape(tf.where(versions > tag), [-1])
-            rows, _ = tf.unique(tf.concat([changed, ids], axis=0))
-            out.append((rows, tf.reshape(tf.cast(tf.gather(master, rows), tf.float32), [-1])))
-        return out
-
-    def _current_values(self):
-        return protocol.ShardLayout.flatten([v.value for v in self.value_variables])
-
     def _step(self):
         return self.progress[protocol.STAT_STEP]
-
-    def _pairs(self, payload):
-        """`(main payload, [(rows, flat row values)])` of a push: the pairs follow the
-        main payload (one vector, or a compressor's codes)."""
-        coded = (1 if self.compressor is None
-                 else len(wire.compressed_push_dtypes(self.layout, self.compressor)))
-        return payload[:coded], list(zip(payload[coded::2], payload[coded + 1::2]))
-
-    def _pushed_rows(self, payload):
-        """The pairs of a push's tables averaged by rows (its last pairs)."""
-        _, pairs = self._pairs(payload)
-        return pairs[len(pairs) - len(self.layout.rows):]
-
-    def _decode(self, payload, tag, rank):
-        """`(main vector, [(rows, flat row values)] of each table, [the same of each table
-        averaged by rows])` of a push's payload (a table's rows delay-compensated where the
-        push carries the rows its worker read)."""
-        main, pairs = self._pairs(payload)
-        if self.compressor is None:
-            sparse = len(self.layout.sparse)
-            main, pairs = self.layout.densify(main[0], pairs[:sparse]), pairs[sparse:]
-        else:
-            main = wire.decode_push(self.layout, self.compressor, main,
-                                    wire.push_key(tag, rank, self.spec.shard,
-                                                  self.num_workers))
-        rows = pairs[len(pairs) - len(self.layout.rows):]
-        tables, pairs = [], iter(pairs)
-        for variable, entry in zip(self.table_variables, self.layout.tables):
-            gradient = next(pairs)
-            if entry.read_rows:
-                gradient = compensated_rows(variable, entry, gradient, next(pairs),
-                                            self.policy.delay_compensation)
-            tables.append(gradient)
-        return main, tables, rows
 
     def _send(self, rank, step, values, message=""):
         """Enqueues a reply to worker `rank` with `values` at global step `step`; with
@@ -260,178 +197,6 @@ class ShardUpdateGraph:
         if isinstance(rank, int):
             return put(rank)
         return tf.switch_case(rank, [lambda r=r: put(r) for r in range(self.num_workers)])
-
-    # Collect ---------------------------------------------------------------------------------
-
-    def _collect(self, required, state):
-        """Takes pushes until `required` usable ones, or a control entry."""
-        step = self._step()
-        main_dtypes = self.push_dtypes[2:-1]
-
-        def cond(state, event, rank):
-            return tf.logical_and(state["accepted"] < required, tf.equal(event, 0))
-
-        def body(state, event, rank):
-            tag, entry_rank, *rest = tf.raw_ops.QueueDequeueV2(
-                handle=self.push_queue, component_types=self.push_dtypes)
-            payload, values = rest[:len(main_dtypes)], rest[-1]
-            tag, entry_rank = tf.reshape(tag, []), tf.reshape(entry_rank, [])
-            control = tag < 0
-            usable = tf.logical_and(tf.logical_not(control), self.policy.accepts(tag, step))
-            stale = tf.logical_and(tf.logical_not(control), tf.logical_not(usable))
-            staleness = tf.maximum(step - tag, 0)
-            taken = tf.cast(usable, tf.int64)
-            new = dict(state)
-
-            grown = ("table_rows", "table_values", "rows_ids", "rows_values")
-
-            def take():
-                main, tables, rows = self._decode(payload, tag, entry_rank)
-                # Non-trainable state comes as the change each worker's steps made to it
-                # since it last read the masters: the changes add up (frozen weights change
-                # by exactly 0).
-                return (state["total"] + main,
-                        state["values"] + tf.reshape(values, [self.layout.value_size]),
-                        *[[tf.concat([old, piece[i]], 0)
-                           for old, piece in zip(state[key], pairs)]
-                          for key, pairs, i in zip(grown, (tables, tables, rows, rows),
-                                                   (0, 1, 0, 1))])
-
-            (new["total"], new["values"], *grown_values) = tf.cond(
-                usable, take, lambda: (state["total"], state["values"],
-                                       *[state[key] for key in grown]))
-            new.update(zip(grown, grown_values))
-            new["accepted"] = state["accepted"] + tf.cast(usable, tf.int32)
-            new["dropped"] = state["dropped"] + tf.cast(stale, tf.int64)
-            new["staleness_sum"] = state["staleness_sum"] + taken * staleness
-            new["staleness_max"] = tf.maximum(state["staleness_max"], taken * staleness)
-            new["histogram"] = state["histogram"] + taken * tf.one_hot(
-                tf.minimum(staleness, HISTOGRAM_BUCKETS - 1), HISTOGRAM_BUCKETS, dtype=tf.int64)
-            new["last_rank"] = tf.where(usable, entry_rank, state["last_rank"])
-            new["released"] = tf.logical_or(state["released"], tf.logical_and(
-                usable, tf.one_hot(entry_rank, self.num_workers, on_value=True,
-                                   off_value=False)))
-            # A stale push is dropped and its worker sent the current weights at once
-            # (of a table averaged by rows, the rows it lacks: `_rows_since`), told that
-            # its push was dropped.
-            sent = tf.cond(stale, lambda: self._send(entry_rank, step, self._reply_values(
-                self._rows_since(tag, self._pushed_rows(payload)) if self.layout.rows
-                else None), message=protocol.DROPPED_MESSAGE), lambda: tf.constant(True))
-            with tf.control_dependencies([sent]):
-                new["total"] = tf.identity(new["total"])
-            return new, tf.where(control, tf.cast(-tag, tf.int32), 0), entry_rank
-
-        return self._loop(cond, body, state)
-
-    # Apply -----------------------------------------------------------------------------------
-
-    def _apply(self, state):
-        """Applies the mean of the accepted pushes; returns the new global step and the rows
-        of the tables averaged by rows that the update changed (`[(ids, flat values)]`).
-
-        The non-trainable values add the mean change of the pushes (each worker's change
-        since it last read them: under sync, where every worker read the same, the mean of
-        the pushed values; under async each push adds its own, so concurrent workers'
-        BatchNorm statistics combine instead of the last overwriting the others'); the main
-        variables are updated by
-        `_apply_average` (model averaging) or `_apply_gradients` (the optimizer, once). Each
-        takes the mean main vector, the collected state and the updates to order after; an
-        update of other entries (rows of a table kept on the ps: gather, apply, scatter) is
-        one more such method over its entries.
-        """
-        count = tf.cast(state["accepted"], tf.float32)
-        updates = []
-        if self.layout.value_size:
-            values = self.layout.unflatten(self._current_values() + state["values"] / count,
-                                           self.layout.values, self.layout.value_sizes)
-            updates += [v.assign(x) for v, x in zip(self.value_variables, values)]
-        if not self.policy.averages_weights:
-            return self._apply_gradients(state["total"] / count, state, updates), None
-        return self._apply_average(state["total"] / count, state, updates)
-
-    def _apply_average(self, mean, state, updates):
-        """Model averaging: each variable takes the mean model (or adds the mean change); an
-        outer optimizer steps on the round's outer gradient, master - mean. A table averaged
-        by rows averages the rows pushed (`averaged_rows`); returns `(step, those rows)`."""
-        step = self._step() + 1
-        rows = []
-        for master, versions, entry, ids, flat in zip(
-                self.rows_masters, self.row_versions, self.layout.rows, state["rows_ids"],
-                state["rows_values"]):
-            changed, averaged = averaged_rows(ids, flat, master, state["accepted"])
-            updates += [master.scatter_update(tf.IndexedSlices(
-                            tf.cast(tf.reshape(averaged, [-1, *entry.shape[1:]]), master.dtype),
-                            changed)),
-                        versions.scatter_update(tf.IndexedSlices(
-                            tf.fill(tf.shape(changed), step), changed))]
-            rows.append((changed, averaged))
-        parts = self.layout.unflatten(mean, self.layout.main, self.layout.main_sizes)
-        outer_gradients, outer_variables = [], []
-        for variable, part, entry in zip(self.main_variables, parts, self.layout.main):
-            if entry.outer:
-                # A compressed round's `part` is the mean change: its negation.
-                outer_gradients.append(-part if self.spec.delta else variable.value - part)
-                outer_variables.append(variable)
-            else:
-                updates.append(variable.assign_add(part) if self.spec.delta
-                               else variable.assign(part))
-        if outer_variables:
-            with tf.control_dependencies(updates):
-                self.outer_optimizer.apply(outer_gradients, outer_variables)
-            updates.append(self.outer_optimizer.iterations.value)
-        with tf.control_dependencies(updates):
-            return tf.identity(step), rows
-
-    def _apply_gradients(self, mean, state, updates):
-        """The user's optimizer applied once to the mean gradient (delay-compensated for
-        the worker of the last push, its learning rate scaled by the update's staleness).
-
-        Returns the new global step: the updater's own count, one more per update. The
-        optimizer's `iterations` is what Keras and the user see (a schedule's step, what a
-        checkpoint holds), and the chief's `load_weights` may set it back; the global step
-        tags pushes and measures their staleness, so it never goes back."""
-        if self.weights_read is not None:
-            mean = delay_compensated(
-                mean, protocol.ShardLayout.flatten([v.value for v in self.main_variables]),
-                self.weights_read[state["last_rank"]], self.policy.delay_compensation)
-        parts = self.layout.unflatten(mean, self.layout.main, self.layout.main_sizes)
-        if self.optimizer is None:  # a shard with no trained variable: state only
-            with tf.control_dependencies(updates):
-                return self._step() + 1
-        extended = self.strategy.extended
-        factor = self.policy.learning_rate_factor(
-            state["staleness_sum"] // tf.maximum(tf.cast(state["accepted"], tf.int64), 1))
-        extended.learning_rate_factor = factor
-        try:
-            with tf.control_dependencies(updates):
-                # A table's rows step first: at the step count the apply below then counts.
-                rows, dense = self._apply_table_rows(state, factor)
-            gradients, variables = parts + [g for g, _ in dense], \
-                self.main_variables + [v for _, v in dense]
-            with tf.control_dependencies(updates + rows):
-                if variables:
-                    self.optimizer.apply(gradients, variables)
-                else:  # only tables, updated by rows: the update is counted all the same
-                    self.optimizer.iterations.assign_add(1)
-        finally:
-            extended.learning_rate_factor = None
-        with tf.control_dependencies([self.optimizer.iterations.value]):
-            return self._step() + 1
-
-    def _apply_table_rows(self, state, factor):
-        """`(ops, [(dense gradient, table)])`: each table's mean gradient rows applied lazily
-        (`tfdist.ps.rowwise`), or made dense for the optimizer's own apply
-        (`table_updates="dense"`)."""
-        count = tf.cast(state["accepted"], tf.float32)
-        ops, dense = [], []
-        for variable, entry, rows, flat in zip(self.table_variables, self.layout.tables,
-                                               state["table_rows"], state["table_values"]):
-            values = tf.reshape(flat, [-1, *entry.shape[1:]]) / count
-            if self.rowwise is not None:
-                ops.append(self.rowwise.apply(variable, rows, values, factor))
-            else:
-                dense.append((tf.scatter_nd(rows[:, None], values, entry.shape), variable))
-        return ops, dense
 
     # Record and release ----------------------------------------------------------------------
 

@@ -7,9 +7,11 @@ updater of its own shard (`tfdist.ps.service`).
 
 `ParameterServerExtended` runs the worker's part of a run: joining it (the spec, placement,
 binding the mirrors to the masters), each step's push-and-receive with every ps task, pulling
-the masters, leaving. What a step pushes, and so what a variable is for, is its push's
-(`tfdist.ps.push`: the gradient, or the model every `period` steps); the compressed push is
-`tfdist.ps.push_codec`.
+the masters, leaving. This module holds the engine's state, the variables it makes and each
+step (the replica call, the push-and-receive, the step's logs); joining the run, reading the
+masters and leaving are `WorkerRunMixin`'s (`tfdist.ps.worker_run`). What a step pushes, and
+so what a variable is for, is its push's (`tfdist.ps.push`: the gradient, or the model every
+`period` steps); the compressed push is `tfdist.ps.push_codec`.
 """
 
 import atexit
@@ -19,13 +21,11 @@ import json
 import logging
 import os
 import threading
-import time
 
 import tensorflow as tf
 
 from tfdist import _tf_compat
 from tfdist._args import check_seconds
-from tfdist._process import end_with_last_word
 from tfdist._worker import BetweenGraphExtendedMixin
 from tfdist.cluster.network import CONNECT_TIMEOUT_ENV
 from tfdist.cluster.network import DEFAULT_STALL_TIMEOUT
@@ -35,24 +35,16 @@ from tfdist.cluster.network import STALL_TIMEOUT_ENV
 from tfdist.cluster.network import timeout_from_env
 from tfdist.ps import placement
 from tfdist.ps import protocol
-from tfdist.ps import snapshot
 from tfdist.ps import tables as tables_lib
 from tfdist.ps import wire
-from tfdist.ps.client import RunError
-from tfdist.ps.client import ShardClient
-from tfdist.ps.client import check_one_run
 from tfdist.ps.connection import PSConnection
-from tfdist.ps.connection import PSWatchdog
-from tfdist.ps.push import check_split
 from tfdist.ps.push_codec import PushCodec
 from tfdist.ps.push_codec import push_compressor
-from tfdist.ps.spec import ShardSpec
-from tfdist.ps.spec import VariableEntry
 from tfdist.ps.table_set import TableRule
 from tfdist.ps.table_set import TableSet
 from tfdist.ps.variables import MirrorVariable
-from tfdist.ps.variables import Part
 from tfdist.ps.variables import replica_step
+from tfdist.ps.worker_run import WorkerRunMixin
 
 log = logging.getLogger("tfdist")
 
@@ -80,7 +72,8 @@ class _Step:
         self.trained = False    # the step trained: its push ran, or its model was updated
 
 
-class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExtended):
+class ParameterServerExtended(WorkerRunMixin, BetweenGraphExtendedMixin,
+                              _tf_compat.OneDeviceExtended):
     """The engine of the parameter-server strategies (one replica per worker process).
 
     Args:
@@ -269,212 +262,6 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             return super()._update(var, fn, args, kwargs, group)
         return var if group else (var,)  # the push took it: the ps applies it
 
-    # Joining a run -----------------------------------------------------------------------
-
-    def _ensure_run(self, pushed_variables=(), sparse_variables=()):
-        """At the first training trace: joins (or starts) the run on every ps task.
-
-        `sparse_variables` are pushed as the rows their gradient touches (embeddings)."""
-        if self._clients is not None:
-            return
-        self._tables.rule.check_patterns()
-        pushed = {id(v) for v in pushed_variables}
-        num_ps = self._connection.num_ps
-        for variable in self._mirrors:
-            if variable._tfdist_role == protocol.GRADIENT and id(variable) not in pushed:
-                variable._tfdist_role = protocol.VALUE  # trainable, but no gradient reaches it
-        # What the push adds to the spec's entries (update options, `sparse`, `outer`).
-        fields = self._push.prepare_run({id(v) for v in sparse_variables})
-        self._placement = self._plan(fields)
-        entries = [[] for _ in range(num_ps)]
-        self._shards = [[] for _ in range(num_ps)]
-        self._row_parts = [[] for _ in range(num_ps)]  # of tables averaged by rows
-        for variable in self._mirrors:
-            role = variable._tfdist_role
-            entry = {"path": variable._tfdist_path, "shape": variable.shape.as_list(),
-                     "dtype": variable.dtype.name, "role": role, **fields.get(id(variable), {})}
-            for shard, rows in self._placement[variable._tfdist_path]:
-                part = Part(variable, rows)
-                entries[shard].append(VariableEntry(**{**entry, "shape": part.shape,
-                                                       "rows": rows}))
-                if role in protocol.PUSHED_ROLES:
-                    self._shards[shard].append(part)
-                elif role == protocol.ROWS:
-                    self._row_parts[shard].append(part)
-        for parts in self._shards:
-            order = {protocol.GRADIENT: 0, protocol.AVERAGE: 0, protocol.VALUE: 1}
-            parts.sort(key=lambda p: order[p.variable._tfdist_role])
-        # Tables (and their slots) after the mirrors, each part on its own ps task.
-        self._tables.add_entries(entries, fields)
-        # From the first hello on, a ps task that stops answering ends this worker, named,
-        # instead of leaving it waiting for ever.
-        self._watchdog = PSWatchdog(self._connection, self._stall_timeout,
-                                    self._end_on_stalled_ps).start()
-        clients = [ShardClient(self._connection, s) for s in range(num_ps)]
-        answers = []
-        with tf.init_scope():
-            for shard, client in enumerate(clients):
-                answers.append(client.hello(self._spec(shard, entries[shard]),
-                                            timeout=self._init_timeout))
-            # Refused: this worker exits, and each ps task then counts it dead.
-            check_one_run(answers, self._connection.ps_names, self._connection.ps_addresses,
-                          self._job)
-            self.run_finished = bool(answers[0].get("finished"))
-            if self.run_finished:
-                log.warning("tfdist: run %s of job %r finished while %s was away: it takes "
-                            "the run's final weights and trains no more (its fit ends after "
-                            "this step)", answers[0]["run"], self._job,
-                            self._connection.task_name)
-            initialize = [a["initialize"] for a in answers]
-            if any(initialize):
-                log.info("tfdist: %s initialises the run's master variables",
-                         self._connection.task_name)
-                self._tables.initialize()  # on the ps tasks
-            self._bind_mirrors(clients, initialize)
-            self._tables.joined(any(initialize))
-            # A checkpoint reads each table part with the rest of its shard, between two
-            # updates (`tfdist.ps.snapshot`).
-            for client, parts in zip(clients, self._tables.part_masters(num_ps)):
-                client.snapshot.add_tables(parts)
-            self._clients = clients
-            self._layouts = [protocol.ShardLayout(e) for e in entries]
-            if self.run_finished:
-                self._take_masters()  # nothing trains any more: no push queue, no sync
-                return
-            for client, layout in zip(clients, self._layouts):
-                dtypes = (self._codec.queue_dtypes(layout) if self._codec is not None
-                          else [tf.float32])
-                client.open_push_queue(dtypes, layout.num_row_pairs)
-            self._pull(copy_tables=not any(initialize))
-
-    def _bind_mirrors(self, clients, initialize):
-        """Binds every mirror to its masters on `clients`' ps tasks; those of the shards
-        where `initialize[shard]` first take this worker's own values (the chief's)."""
-        mirrors = {v._tfdist_path: v for v in self._mirrors}
-        with replica_step():  # the chief's own values, read before any is bound
-            initial = ({path: v.read_value() for path, v in mirrors.items()}
-                       if any(initialize) else {})
-        for shard, client in enumerate(clients):
-            for path, places in self._placement.items():
-                variable = mirrors[path]
-                for rows in (rows for s, rows in places if s == shard):
-                    master = client.masters[path]
-                    if initialize[shard]:
-                        master.assign(Part(variable, rows).take(initial[path]),
-                                      read_value=False)
-                    variable.bind(master, rows)
-                    if self.run_finished:
-                        variable.follow()  # nobody's writes reach a finished run's masters
-                    else:
-                        self._after_bind(variable)
-
-    def _after_bind(self, variable):
-        """Every worker runs the user's callbacks; only the chief's eager writes reach the
-        masters (a learning rate halved once, not once per worker; one worker's best weights
-        restored, not each one's), and it remembers them (`_keep_chief_writes`)."""
-        if self._connection.is_chief:
-            variable.on_write(self._chief_wrote)
-        else:
-            variable.follow()
-
-    def _chief_wrote(self, variable):
-        with replica_step():
-            value = variable.read_value()  # its own copy, which took the value written
-        self._chief_writes[id(variable)] = (variable, int(self._steps_trained.numpy()), value)
-
-    def _count_trained_step(self):
-        """In a step that trained (in-graph)."""
-        return self._steps_trained.assign_add(1, read_value=False)
-
-    def _plan(self, fields):
-        """`{path: [(ps_index, rows)]}`: where each mirror's master parts live."""
-        partitioner = self._partitioner
-        elementwise = check_split(self._push, partitioner)
-        items = []
-        for variable in self._mirrors:
-            constraint = fields.get(id(variable), {}).get("constraint")
-            splittable = elementwise and (
-                constraint is None or constraint.get("class_name") == "NonNeg")
-            items.append(placement.Item(
-                variable._tfdist_path, variable.shape.as_list(), variable.dtype,
-                splittable=splittable, everywhere=variable._tfdist_everywhere,
-                colocate_with=variable._tfdist_colocate))
-        return placement.plan(items, self._connection.num_ps, partitioner)
-
-    def placement(self):
-        """Where the masters live, per ps task: `task`, `variables` (`{path: rows}`, rows
-        `[begin, end]` of a part or None for the whole variable), `bytes_held` (with the
-        optimizer's slots; a table kept on the ps tasks and its slots count where their rows
-        are) and `bytes_pushed` (what one push of a worker carries there; for an embedding
-        mirrored and pushed as rows, its whole size: the most a push can carry; a table's
-        rows are not counted, nor those of a table model averaging averages by rows: a push
-        carries the rows its step (round) touched, 8 bytes of index and the row's values
-        each)."""
-        if self._clients is None:
-            raise ValueError("the masters are placed when the first training step starts")
-        out = [{"task": name, "variables": {}, "bytes_held": 0, "bytes_pushed": 0}
-               for name in self._connection.ps_names]
-        mirrors = {v._tfdist_path: v for v in self._mirrors}
-        places = [(mirrors[path], shard, rows) for path, parts in self._placement.items()
-                  for shard, rows in parts]
-        places += self._tables.places()
-        for variable, shard, rows in places:
-            part = Part(variable, rows)
-            out[shard]["variables"][variable._tfdist_path] = (None if rows is None
-                                                               else list(rows))
-            out[shard]["bytes_held"] += placement.nbytes(part.shape, variable.dtype)
-        for shard, layout in enumerate(self._layouts):
-            out[shard]["bytes_pushed"] = 4 * (layout.main_size + layout.value_size)
-        return out
-
-    def _spec(self, shard, entries):
-        config = self._connection.config
-        # The optimizers the ps tasks rebuild: they import a custom one's module.
-        applied = self._push.rebuilt_optimizers()
-        imports = [module for module in (type(o).__module__ for o in applied)
-                   if not module.startswith("keras.")]
-        policy = self._policy.to_spec()
-        if ":" in str(policy.get("staleness", "")):
-            imports.append(policy["staleness"])
-        return ShardSpec(**self._push.spec(), policy=policy, num_workers=config.num_workers,
-                         worker_tasks=self._connection.training_tasks,
-                         worker_addresses=self._connection.training_addresses,
-                         num_ps=config.num_ps, shard=shard, variables=entries,
-                         imports=imports,
-                         compression=None if self._codec is None else self._codec.spec(),
-                         init_timeout=self._init_timeout,
-                         stall_timeout=self._stall_timeout,
-                         table_updates=self._tables.updates, job=self._job)
-
-    def _pull(self, copy_tables=True):
-        """Takes the current master weights of every shard (eagerly); `copy_tables`: the
-        tables averaged by rows too (read in chunks: a reply carries rows only)."""
-        with tf.init_scope(), replica_step():
-            self._assign_replies([client.sync() for client in self._clients])
-            self._push.joined(copy_tables)
-
-    def _assign_replies(self, replies):
-        """Writes every shard's reply (`client.Reply`) into the mirrors (the parts of a split
-        variable joined), the tags and the telemetry; returns the updates."""
-        updates, split = [], {}
-        for shard, reply in enumerate(replies):
-            values = reply.values
-            main, rest = self._layouts[shard].split_reply(values)
-            for part, value in zip(self._shards[shard], main + rest):
-                if part.rows is None:
-                    updates += part.variable.assign_read(value)
-                else:
-                    split.setdefault(id(part.variable), (part.variable, []))[1].append(
-                        (part.rows, value))
-            updates += self._push.on_reply(shard, values)
-        for variable, parts in split.values():
-            parts.sort(key=lambda p: p[0])
-            updates += variable.assign_read(tf.concat([v for _, v in parts], axis=0))
-        updates.append(self._tags.assign(tf.stack([reply.token for reply in replies]),
-                                         read_value=False))
-        updates.append(self._stats.assign(replies[0].stats, read_value=False))
-        return updates
-
     # The exchange ----------------------------------------------------------------------
 
     def _exchange(self, main_tensor):
@@ -516,6 +303,28 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             updates += self._codec.measure(self._layouts, sent, pushed_values, replies)
         return tf.group(updates)
 
+    def _assign_replies(self, replies):
+        """Writes every shard's reply (`client.Reply`) into the mirrors (the parts of a split
+        variable joined), the tags and the telemetry; returns the updates."""
+        updates, split = [], {}
+        for shard, reply in enumerate(replies):
+            values = reply.values
+            main, rest = self._layouts[shard].split_reply(values)
+            for part, value in zip(self._shards[shard], main + rest):
+                if part.rows is None:
+                    updates += part.variable.assign_read(value)
+                else:
+                    split.setdefault(id(part.variable), (part.variable, []))[1].append(
+                        (part.rows, value))
+            updates += self._push.on_reply(shard, values)
+        for variable, parts in split.values():
+            parts.sort(key=lambda p: p[0])
+            updates += variable.assign_read(tf.concat([v for _, v in parts], axis=0))
+        updates.append(self._tags.assign(tf.stack([reply.token for reply in replies]),
+                                         read_value=False))
+        updates.append(self._stats.assign(replies[0].stats, read_value=False))
+        return updates
+
     def _logs(self):
         stats = self._stats.read_value()
         logs = self._push.logs(stats)
@@ -528,115 +337,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
             logs.update(self._codec.logs(self._layouts))
         return logs
 
-    # Lifecycle ---------------------------------------------------------------------------
-
-    def leave(self, wait=False, timeout=None):
-        """Ends this worker's part in training.
-
-        The push first sends what it owes (model averaging: the steps taken since the
-        last round). With `wait`
-        (the chief's `join()`), leaves, then waits until every other worker has left or
-        died, so that the weights this worker then takes are final. The local model ends on
-        the master weights. Called at exit (without waiting).
-        """
-        if self._left:
-            return
-        self._left = True
-        try:
-            if self.run_finished:
-                self._take_masters()  # nobody trains: they are the final weights
-                return
-            if self._clients is None:
-                for shard in range(self._connection.num_ps):
-                    ShardClient(self._connection, shard).absent()
-                return
-            self._push.before_leave()
-            if not wait:
-                try:
-                    self._pull()
-                finally:
-                    self._send_leave()
-                return
-            # Leave first: a worker whose last push waits for a partner must not wait for
-            # this one. Once the others are gone nothing changes the masters: read them.
-            self._send_leave()
-            self._wait_for_others(timeout)
-            self._keep_chief_writes()
-            self._take_masters()
-        except (tf.errors.OpError, RunError) as e:
-            gone = self._connection.unreachable_ps()
-            if not gone:
-                log.warning("tfdist: %s could not leave the run cleanly: %s",
-                            self._connection.task_name, e)
-                return
-            self._end_on_lost_ps(gone, "TensorFlow's error above is that")
-        finally:
-            if self._watchdog is not None:
-                self._watchdog.stop()
-
-    def _end_on_stalled_ps(self, stalled):
-        """The watchdog's verdict: a ps task has not answered for stall_timeout."""
-        self._end_on_lost_ps(stalled, "this worker's ops on it would wait for ever")
-
-    def _end_on_lost_ps(self, lost, because):
-        """Logs which ps tasks (`[(name, address, why)]`) stopped answering and ends the
-        process: their shards are out of reach, and nothing can go on without them."""
-        log.error("tfdist: %s: its shard of the master variables is gone, and no worker can "
-                  "train on without it (%s). Restart the job; the chief's last checkpoint "
-                  "holds the model",
-                  "; ".join(f"{name} at {address} stopped answering" + (f" ({why})" if why
-                                                                       else "")
-                            for name, address, why in lost), because)
-        end_with_last_word(1)  # issue 22: the error above stays the user's last screen
-
-    def _send_leave(self):
-        for client in self._clients:
-            try:
-                client.send_control(protocol.LEAVE)
-            except tf.errors.OpError:
-                pass  # the run has ended (its queues are closed)
-
-    def _keep_chief_writes(self):
-        """Writes again, over the masters, what the chief wrote after its last train step
-        (EarlyStopping's `restore_best_weights` at the end of `fit`, a `load_weights` before
-        `join()`): the other workers trained on over it, and the weights `join()` leaves
-        (and the chief then saves) are its choice. The values are those written (a reply
-        may have come since: model averaging's last round). A write followed by a step was
-        training, and is not kept."""
-        steps = int(self._steps_trained.numpy())
-        kept = [(v, value) for v, at, value in self._chief_writes.values() if at == steps]
-        if not kept:
-            return
-        with tf.init_scope():
-            for variable, value in kept:
-                variable.assign(value, read_value=False)  # outside a step: the masters
-        log.info("tfdist: %s wrote %s after its last train step: kept over the other "
-                 "workers' later updates", self._connection.task_name,
-                 [v._tfdist_path for v, _ in kept])
-
-    def _take_masters(self):
-        with tf.init_scope(), replica_step(), snapshot.consistent_reads():
-            # Tables averaged by rows are read in bounded chunks (`ChangedRows`), the rest
-            # whole.
-            variables = {id(p.variable): p.variable for parts in self._shards for p in parts}
-            for variable in variables.values():
-                variable.assign_read(variable.master_value())
-            self._push.joined(copy_tables=True)
-            self._stats.assign(self._clients[0].progress.read_value(), read_value=False)
-
-    def _wait_for_others(self, timeout):
-        deadline = None if timeout is None else time.monotonic() + timeout
-        me = self._connection.rank
-        while True:
-            live = set(self._clients[0].read_progress()["live"]) - {me}
-            if not live:
-                return
-            if deadline is not None and time.monotonic() > deadline:
-                log.warning("tfdist: %s stops waiting for %s after %g s",
-                            self._connection.task_name,
-                            [self._connection.training_tasks[r] for r in sorted(live)], timeout)
-                return
-            time.sleep(0.1)
+    # Codec state and progress ------------------------------------------------------------
 
     def compression_states(self):
         """The codec states (push residuals) of the optimizers made under this strategy."""
