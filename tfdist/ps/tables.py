@@ -45,7 +45,8 @@ def part_name(path, rows):
 
 
 # The lookups of the replica step running (or being traced) in this thread, by table:
-# `{id(table): [(ids, rows)]}`, or None outside a step.
+# `{id(table): [(ids, rows)]}`, or None outside a step; and the bytes each lookup of the step
+# moved (`take_read_bytes`).
 _step = threading.local()
 
 
@@ -53,13 +54,24 @@ _step = threading.local()
 def step_lookups():
     """One replica step: the lookups of tables that record them (`record_lookups`) are kept
     until its push takes them (`take_lookups`), and let go when it ends, taken or not (an
-    evaluate or predict step's, an eager step's)."""
-    previous = getattr(_step, "lookups", None)
-    _step.lookups = {}
+    evaluate or predict step's, an eager step's); so are the bytes every lookup moved."""
+    previous = getattr(_step, "lookups", None), getattr(_step, "reads", None)
+    _step.lookups, _step.reads = {}, []
     try:
         yield
     finally:
-        _step.lookups = previous
+        _step.lookups, _step.reads = previous
+
+
+def take_read_bytes():
+    """The bytes the lookups of the current step (`step_lookups`) moved, an int64 scalar:
+    each id sent to the ps task that holds its row, and the row back (a row read twice,
+    twice). Then forgets them. A lookup inside a `tf.cond` or loop of the model cannot be
+    reached from the push, and is left out."""
+    reads = getattr(_step, "reads", None) or []
+    _step.reads = []
+    reachable = [size for size in reads if _reachable(size)]
+    return tf.add_n(reachable) if reachable else tf.constant(0, tf.int64)
 
 
 def _reachable(tensor):
@@ -181,6 +193,11 @@ class TableVariable(_tf_compat.BaseResourceVariable):
             return result, gradient
 
         result = lookup(self.handle)
+        reads = getattr(_step, "reads", None)
+        if reads is not None:
+            row_bytes = shape[1:].num_elements() * self.dtype.size
+            reads.append(tf.size(indices, out_type=tf.int64)
+                         * (indices.dtype.size + row_bytes))
         record = getattr(_step, "lookups", None)
         if self._tfdist_record_lookups and record is not None:
             record.setdefault(id(self), []).append(

@@ -479,7 +479,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
 
     def _exchange(self, main_tensor):
         """One push-and-receive per ps task, in parallel; the replies land in the mirrors."""
-        updates, sent, pushed_values = [], [], []
+        updates, sent, pushed_values, pushed_rows = [], [], [], []
         # One read of every shard's tag before any push: a read per shard after the previous
         # shard's reply was written would make each round trip wait for the one before.
         tags = tf.unstack(self._tags.read_value())
@@ -504,8 +504,9 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                                                            self._push.optimizer)
                 sent.append(payload)
             # The rows of each table's gradient on this ps task (never compressed).
-            payload = (*payload, *self._tables.pushed_rows(shard, layout, main_tensor, lookups),
-                       *self._push.pushed_rows(shard))
+            pushed_rows.append((*self._tables.pushed_rows(shard, layout, main_tensor, lookups),
+                                *self._push.pushed_rows(shard)))
+            payload = (*payload, *pushed_rows[-1])
             # Shards do not wait for each other: their round trips overlap.
             replies.append(client.push_and_receive(tag, payload, values))
             if keep_state is not None:
@@ -513,7 +514,7 @@ class ParameterServerExtended(BetweenGraphExtendedMixin, _tf_compat.OneDeviceExt
                 updates += keep_state(replies[-1].dropped)
         updates += self._assign_replies(replies)
         if sent:
-            updates += self._codec.measure(self._layouts, sent, pushed_values, replies)
+            updates += self._codec.measure(self._layouts, sent, pushed_values, replies, pushed_rows)
         return tf.group(updates)
 
     def _logs(self):
