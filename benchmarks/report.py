@@ -468,15 +468,23 @@ def embedding_section(result, plot="embedding.png"):
              + ("" if settings.get("complete", True) else
                 " **An incomplete run** (stopped before every run was made): only the cells "
                 "measured are shown.") + _merged_text(result) + _load_text(result), ""]
+    # (Results from before the every-id estimate have no such column.)
+    every_id = all("every_id_bytes_per_worker_step" in e for e in result["estimates"].values())
     rows = [[f"{int(v):,}", f"{e['parameters']:,}",
              f"{sum(e['unique_rows_per_batch'].values()):,.0f}",
              f"{e['rows_only_bytes_per_worker_step']:,.0f}",
+             *([f"{e['every_id_bytes_per_worker_step']:,.0f}"] if every_id else []),
              f"{e['whole_model_bytes_per_worker_step']:,.0f}"]
             for v, e in result["estimates"].items()]
-    parts += ["Estimates (payload only) of one worker step's bytes: rows only (the rows a batch "
-              "touches read, their gradients and ids pushed, the dense part both ways) and the"
-              " whole model both ways:", "",
+    parts += ["Estimates (payload only) of one worker step's bytes: rows only (each distinct row "
+              "a batch touches read once, its gradient and id pushed once, the dense part both "
+              "ways)"
+              + (", every id (what tfdist's step moves: each id looked up, repeated ones "
+                 "included, sent and its row back, its gradient row and id pushed, the dense "
+                 "part both ways)" if every_id else "")
+              + " and the whole model both ways:", "",
               _table(["V", "parameters", "distinct rows / batch", "rows only (bytes)",
+                      *(["every id (bytes)"] if every_id else []),
                       "whole model (bytes)"], rows), ""]
     series = _embedding_series(result)
     one = {c["rows"]: c for c in result["cells"] if c["system"] == "one_process"}

@@ -226,6 +226,14 @@ class EmbeddingReportTest(tf.test.TestCase):
         self.assertEqual(cells[13], "1 of 3")
         self.assertIn("Load average (1 / 5 / 15 min) 1 / 1 / 1 at the start", text)
         self.assertIn("| 1,000,000 | 17,000,000 | 844 | 200,000 | 136,000,000 |", text)
+        # A result with tfdist's own estimate (every id a batch looks up) shows it beside.
+        result = _embedding_fixture()
+        for estimate in result["estimates"].values():
+            estimate["every_id_bytes_per_worker_step"] = 353288.0
+        text = "\n".join(report.embedding_section(result))
+        self.assertIn("| rows only (bytes) | every id (bytes) | whole model (bytes) |", text)
+        self.assertIn("| 1,000,000 | 17,000,000 | 844 | 200,000 | 353,288 | 136,000,000 |",
+                      text)
         # Hard sync's accuracy against one process at its global batch (2 x 256).
         hard = [line for line in text.splitlines() if line.startswith("| tfdist hard sync")]
         self.assertEqual(hard[0].split("|")[12].strip(), "0.750 (-1.0)")

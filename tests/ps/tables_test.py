@@ -287,6 +287,57 @@ class TableVariableTest(tf.test.TestCase):
         self.assertEqual(again.initialize(), 0)
         self.assertAllEqual(again.numpy(), value)
 
+    def test_a_new_run_computes_and_writes_the_initial_value_once(self):
+        # The chief's first step writes the tables' initial values (`ready()`, before its
+        # lookups), then starts a new run, which writes every part (`initialize(force=True)`:
+        # an earlier run may have left other values there). The parts it wrote since it last
+        # joined a run are not computed and written again: on a ps task each pass holds the
+        # initializer's value, and its temporaries, beside the table.
+        calls = []
+
+        def initial():
+            calls.append(None)
+            return tf.fill([ROWS, WIDTH], float(len(calls)))
+
+        table = tables.TableVariable.create(f"test{next(_names)}/embeddings", [ROWS, WIDTH],
+                                            tf.float32, _parts(((0, 12), (12, ROWS))),
+                                            initial_value=initial)
+        self.assertEqual(table.initialize(), 2)
+        self.assertEqual(table.initialize(force=True), 0)
+        self.assertLen(calls, 1)
+        # A value the chief writes before the run becomes the new run's all the same.
+        table.assign(np.full([ROWS, WIDTH], 7.0, np.float32))
+        self.assertEqual(table.initialize(force=True), 2)
+        self.assertAllEqual(np.concatenate([m.numpy() for m, _ in table.parts]),
+                            np.full([ROWS, WIDTH], 7.0))
+        # Once it joined a run, the next new run writes every part again.
+        table.joined(initialized=True)
+        self.assertEqual(table.initialize(force=True), 2)
+        self.assertLen(calls, 2)
+        self.assertAllEqual(table.numpy(), np.full([ROWS, WIDTH], 2.0))
+        # A table of one part takes the initial value as it is (no copy written in chunks).
+        whole = tables.TableVariable.create(f"test{next(_names)}/embeddings", [ROWS, WIDTH],
+                                            tf.float32, _parts(((0, ROWS),)),
+                                            initial_value=initial)
+        self.assertEqual(whole.initialize(), 1)
+        self.assertAllEqual(whole.numpy(), np.full([ROWS, WIDTH], 3.0))
+
+    def test_join_s_snapshot_of_the_mirrors_copies_no_table(self):
+        # `join()` reads the masters of the mirrors only: its snapshot of a shard leaves the
+        # shard's table parts out (a copy of each is its size again on its ps task). A
+        # checkpoint's takes them, between the same two updates as the rest.
+        table, value = _table(splits=((0, ROWS),))
+        master, _ = table.parts[0]
+        dense = tf.Variable([1.0, 2.0])
+        ShardSnapshot("/device:CPU:0", protocol.open_update_lock("/device:CPU:0",
+                                                                 f"join-test-{next(_names)}"),
+                      [dense]).add_tables([master])
+        for tables_too, want in ((True, value), (False, value + 2)):
+            with consistent_reads(tables=tables_too):
+                self.assertAllEqual(variables.consistent_value(dense), [1.0, 2.0])
+                master.assign_add(tf.ones(master.shape))  # an update after the snapshot
+                self.assertAllEqual(variables.consistent_value(master), want)
+
     def test_parts_must_cover_the_rows(self):
         with self.assertRaisesRegex(ValueError, "must cover its 30 rows"):
             tables.TableVariable.create("t/embeddings", [ROWS, WIDTH], tf.float32,

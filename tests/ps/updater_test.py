@@ -19,6 +19,8 @@ import tensorflow as tf
 from tfdist import _tf_compat
 from tfdist import compression as compression_lib
 from tfdist.ps import protocol
+from tfdist.ps import table_set
+from tfdist.ps import tables
 from tfdist.ps import wire
 from tfdist.ps.client import ShardClient
 from tfdist.ps.policies import AsyncPolicy
@@ -825,6 +827,56 @@ class DroppedPushTest(tf.test.TestCase):
         self.assertAllClose(residual(), [0.0, 1.5, 0.0, 0.0])
         self.assertAllClose(local_value(mirrors["d/w"]), shard.value("d/w"))
 
+
+
+class WireBytesTest(tf.test.TestCase):
+    """`bytes_on_wire` (the Keras log of a compressed push) counts what a step moves of a
+    table kept on the ps: the ids its lookups send and the rows they bring back, and the
+    gradient rows and ids its push carries, beside the push and reply of the dense part."""
+
+    def test_a_step_counts_the_rows_its_lookups_read_and_its_push_carries(self):
+        compressor = compression_lib.get("fp16")
+        table0 = np.arange(12, dtype=np.float32).reshape(6, 2)
+        shard = Shard([entry("d/w", [2]),
+                       entry("bytes/embeddings", [6, 2], role="table", table=True, rows=[0, 6])],
+                      SoftSyncPolicy(1, 2), {"d/w": [1.0, 2.0], "bytes/embeddings": table0},
+                      optimizer=sgd(0.5), compressor=compressor)
+        engine, _, _ = worker_of(shard, 0, compressor)
+        table = tables.TableVariable.create("bytes/embeddings", [6, 2], tf.float32,
+                                            [(DEVICE, (0, 6))])
+        engine._tables = table_set.TableSet(table_set.TableRule(), None, 10.0)
+        engine._tables.tables, engine._tables.parts = [table], [[Part(table, (0, 6))]]
+        # A batch of 3 examples of 2 ids each, some repeated: every id is looked up (and its
+        # row's gradient pushed) as it comes.
+        batch = np.array([[5, 3], [5, 0], [1, 5]], np.int32)
+
+        @tf.function
+        def step():
+            with tables.step_lookups():
+                rows = table.sparse_read(batch)  # the forward pass: one gather on the ps
+                gradient = tf.IndexedSlices(tf.reshape(rows, [-1, 2]),
+                                            tf.reshape(tf.cast(batch, tf.int64), [-1]))
+                engine._exchange(lambda part: gradient if part.variable is table
+                                 else tf.constant([1.0, -1.0]))
+
+        serve_steps(shard, [StartedStep(step)], required=1)
+        ids, row_bytes = batch.size, 2 * 4
+        reads = ids * (batch.itemsize + row_bytes)          # ids out, rows back
+        pushed = ids * (8 + row_bytes) + 2 * 8              # int64 ids and rows, 2 sizes
+        header = 16 + 8 * (2 + protocol.num_stats(2))       # tag, rank; token, flag, stats
+        reply = 4 * 2                                       # the dense part (no table)
+        logs = engine._codec.logs(engine._layouts)
+        self.assertEqual(int(logs["bytes_sent"]), compressor.payload_bytes([2], tf.float32))
+        self.assertEqual(int(logs["bytes_on_wire"]),
+                         header + reply + reads + pushed + int(logs["bytes_sent"]))
+        # The ratio: the same traffic with the push's dense part uncompressed over it.
+        self.assertAllClose(logs["compression_ratio"],
+                            (header + reply + reads + pushed + 4 * 2)
+                            / int(logs["bytes_on_wire"]))
+        # The push applied the rows' gradients (summed per row): the table on the ps moved.
+        want = table0.copy()
+        np.add.at(want, batch.ravel(), -0.5 * table0[batch.ravel()])
+        self.assertAllClose(shard.value("bytes/embeddings"), want)
 
 
 class PushedStateTest(tf.test.TestCase):

@@ -4,6 +4,8 @@ Equivalence with hard sync for period=1 and plain SGD is in soft_sync_test.py.
 """
 
 import os
+import signal
+import time
 
 import h5py
 import keras
@@ -17,6 +19,7 @@ from tests.strategies.ps_testing import cluster_log
 from tests.strategies.ps_testing import load_result
 from tests.strategies.ps_testing import make_cluster
 from tests.strategies.ps_testing import run_cluster
+from tests.strategies.ps_testing import wait_for_line
 from tfdist.cluster import ClusterConfig
 from tfdist.ps.outer_optimizer import CHECKPOINT_ATTRIBUTE
 from tfdist.ps.outer_optimizer import outer_optimizer_config
@@ -40,6 +43,46 @@ def outer_state(path):
     with h5py.File(path, "r") as f:
         group = f["optimizer"][CHECKPOINT_ATTRIBUTE]["vars"]
         return [np.array(group[str(i)]) for i in range(len(group))]
+
+
+# Each worker's shard of the 128 rows when there are 3 (`strategy.shard`).
+SHARDS = [slice(ps_program.ROWS * r // 3, ps_program.ROWS * (r + 1) // 3) for r in range(3)]
+
+
+def wait_for_lines(cluster, tasks, text, timeout=120):
+    """Waits until each `(task, part)` of `tasks` logged a line holding `part` and `text`."""
+    deadline = time.monotonic() + timeout
+    while not all(any(t == task and part in line and text in line
+                      for t, line in list(cluster.lines)) for task, part in tasks):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not every one of {tasks} logged {text!r} within "
+                                 f"{timeout} s:\n{cluster_log(cluster)}")
+        time.sleep(0.1)
+
+
+def rows_restart_reference(out):
+    """`ps_program.rows_restart_scenario`'s rounds computed whole, in one process: workers 0
+    and 1 train an epoch each from the same model, which takes their average (rounds 1 and
+    2); then worker 0 and worker 2's new process (never its killed one) do the same (round
+    3). Returns the final weights and the table after round 2 (what the new process must
+    start from)."""
+    x, y = ps_program.data("embedding")
+    batch = ps_program.BATCH
+    initial = [np.array(w, "float32") for w in load_result(out, "initial.json")["weights"]]
+    models = [ps_program.build_model("sgd", model="embedding") for _ in range(2)]
+    for model in models:
+        model.set_weights(initial)
+    before_restart = None
+    for partners in ((0, 1), (0, 1), (0, 2)):
+        before_restart = models[0].get_weights()[0]
+        for model, rank in zip(models, partners):
+            rows = np.arange(ps_program.ROWS)[SHARDS[rank]]
+            for start in range(0, len(rows), batch):
+                model.train_on_batch(x[rows[start:start + batch]], y[rows[start:start + batch]])
+        mean = [np.mean(ws, axis=0) for ws in zip(*[m.get_weights() for m in models])]
+        for model in models:
+            model.set_weights(mean)
+    return models[0].get_weights(), before_restart
 
 
 def averaging_reference(out, period, epochs, outer_optimizer=None, model="mlp"):
@@ -154,25 +197,46 @@ class ModelAveragingTest(tf.test.TestCase, parameterized.TestCase):
         self.assertNotIn("failed", "\n".join(line for task, line in cluster.lines
                                               if task == "ps:0"))
 
-    def test_a_table_is_averaged_by_the_rows_a_round_changed(self):
+    def test_a_table_averaged_by_rows_survives_a_killed_and_restarted_worker(self):
         # The embedding model (an Embedding(48, 4) table, split over 2 ps tasks) averaged by
-        # rows (`embedding_tables="auto"`), period 3: rounds after steps 3 and 6 of each
-        # worker's 8, and one for the last 2 steps when the workers join. The result is the
-        # whole-model average computed here (bit for bit the same as `embedding_tables=None`
-        # in a run of both, not repeated here); each round pushed only the rows its steps
-        # looked up.
+        # rows (`embedding_tables="auto"`), 2 models a round of 3 workers, period 3: a round
+        # an epoch of a worker's shard (`ps_program.rows_restart_scenario`). Workers 0 and 1
+        # make rounds 1 and 2. Worker 2 trains 2 steps (rows marked, nothing pushed) and is
+        # SIGKILLed; once the ps tasks count it dead it is started again, and its new process
+        # makes round 3 with worker 0. The result is the whole-model average of each round
+        # computed here: the new process started from the masters' table (not its own fresh
+        # one), and the rows the killed process marked never reached a round. Each round
+        # pushed only the rows its steps looked up.
         out = self.get_temp_dir()
-        cluster, result = run_cluster(out, 2, "--strategy=model_averaging", "--model=embedding",
-                                      "--strategy_arg=period=3", "--epochs=2", num_ps=2)
+        with make_cluster(out, 3, "--scenario=rows_restart", "--strategy=model_averaging",
+                          "--model=embedding", "--strategy_arg=period=3",
+                          "--strategy_arg=replicas_to_aggregate=2", num_ps=2,
+                          stop_on_failure=False) as cluster:
+            wait_for_line(cluster, "MARKED")
+            os.kill(cluster.pid("worker:2"), signal.SIGKILL)
+            wait_for_lines(cluster, [(f"ps:{i}", "task:2 at localhost") for i in (0, 1)],
+                           "died; going on")
+            cluster.restart("worker:2")
+            result = cluster.wait()
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
-        chief, other = load_result(out, "worker0.json"), load_result(out, "worker1.json")
-        self.assertEqual((chief["updates"], chief["aggregated"]), (3, 6))  # join's round too
-        weights, _ = averaging_reference(out, 3, 2, model="embedding")
+        workers = [load_result(out, f"worker{rank}.json") for rank in range(3)]
+        chief = workers[0]
+        self.assertEqual((chief["updates"], chief["aggregated"]), (3, 6))
+        self.assertEqual(chief["dead"], [])  # worker 2 came back, and left at its end
+        self.assertIn(2, chief["left"])
+        weights, before_restart = rows_restart_reference(out)
         for got, want in zip(chief["weights"], weights):
             self.assertAllClose(np.array(got), want, rtol=1e-5, atol=1e-6)
-        for a, b in zip(chief["local_weights"], other["local_weights"]):
-            self.assertAllEqual(a, b)
-        self.assertEqual(chief["evaluation"], other["evaluation"])  # the local copies agree
+        # (The check can fail: the rows worker 2 trains differ between the masters' table
+        # it must start from and its own fresh one.)
+        x, _ = ps_program.data("embedding")
+        initial = np.array(load_result(out, "initial.json")["weights"][0])
+        touched = np.unique(x[SHARDS[2]])
+        self.assertGreater(np.abs(before_restart[touched] - initial[touched]).max(), 1e-3)
+        for worker in workers[1:]:
+            for a, b in zip(chief["local_weights"], worker["local_weights"]):
+                self.assertAllEqual(a, b)
+            self.assertEqual(chief["evaluation"], worker["evaluation"])  # the copies agree
         parts = [task["variables"].get("sequential/embedding/embeddings")
                  for task in chief["placement"]]
         self.assertEqual(parts, [[0, 24], [24, 48]])
@@ -180,14 +244,12 @@ class ModelAveragingTest(tf.test.TestCase, parameterized.TestCase):
                          {"sequential/embedding/embeddings", "sequential/dense/kernel",
                           "sequential/dense/bias", "sgd/learning_rate"})
         # (no worker's own state: the learning rate's master is the chief's writes)
-        # The rows each worker's last round of an epoch pushed: those its steps looked up
-        # (steps 1-3, then 4-6; the second epoch starts the shard again).
-        batch = ps_program.BATCH
-        for rank, worker in enumerate((chief, other)):
-            x = ps_program.data("embedding")[0][rank * 64:(rank + 1) * 64]
-            rounds = [x[:3 * batch], np.concatenate([x[3 * batch:], x[:2 * batch]])]
+        # The rows each round of a worker pushed: those its epoch's steps looked up (the new
+        # worker 2, its own steps' only).
+        rounds = {0: 3, 1: 2, 2: 1}
+        for rank, worker in enumerate(workers):
             self.assertEqual(worker["history"]["table_rows_pushed"],
-                             [len(np.unique(ids)) for ids in rounds])
+                             [len(np.unique(x[SHARDS[rank]]))] * rounds[rank], rank)
 
     def test_compressed_rounds_send_model_changes(self):
         # Top-k changes with error feedback. (fp16 changes, on 2 ps tasks with a kernel split

@@ -14,6 +14,8 @@ Scenarios:
   restart      the chief is SIGKILLed while it waits for a reply and started again (with
                `--strategy=async --strategy_arg=max_staleness=4 --strategy_arg=on_stale='wait'`,
                see `test_a_restarted_chief_takes_only_its_own_replies`).
+  rows_restart model averaging of a table by rows on 3 workers, worker 2 SIGKILLed after
+               steps it did not push and started again (`rows_restart_scenario`).
 """
 
 import json
@@ -32,7 +34,8 @@ from tests.strategies import ps_functions
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("scenario", "equivalence",
-                  ["equivalence", "late", "long", "checkpoint", "absent", "restart"],
+                  ["equivalence", "late", "long", "checkpoint", "absent", "restart",
+                   "rows_restart"],
                   "What to run.")
 flags.DEFINE_integer("crash_after_epoch", -1, "checkpoint: the chief dies after this epoch.")
 flags.DEFINE_string("out_dir", None, "Where to write results.")
@@ -227,6 +230,40 @@ def restart_scenario(strategy, model, xs, ys):
     return history
 
 
+def rows_restart_scenario(strategy, model, xs, ys):
+    """`--strategy=model_averaging --strategy_arg=period=3
+    --strategy_arg=replicas_to_aggregate=2` on 3 workers: each worker's shard is 3 batches,
+    so a round an epoch. Workers 0 and 1 train 2 epochs (rounds 1 and 2). Worker 2 then
+    trains 2 steps (the rows they touch marked changed, nothing pushed), writes `marked`,
+    prints MARKED and waits: the test SIGKILLs it, waits until the ps tasks count it dead,
+    and starts it again. The new process joins the run and trains an epoch while worker 0
+    trains its third (round 3: their two models); worker 1 leaves once worker 0 is done.
+    Returns the history of the worker's training (worker 0's two fits as one)."""
+    one = dict(batch_size=BATCH, shuffle=False, verbose=0)
+    marked = os.path.join(FLAGS.out_dir, "marked")
+    if strategy.worker_index == 2:
+        if os.path.exists(marked):  # the new process
+            return model.fit(xs, ys, epochs=1, **one)
+        for rank in (0, 1):
+            wait_for_file(os.path.join(FLAGS.out_dir, f"trained{rank}"), 240)
+        model.fit(xs[-2 * BATCH:], ys[-2 * BATCH:], epochs=1, **one)
+        save("marked")
+        print("MARKED", flush=True)
+        wait_for_file(os.path.join(FLAGS.out_dir, "never"), 240)
+        raise AssertionError("worker 2's first process should have been killed")
+    history = model.fit(xs, ys, epochs=2, **one)
+    save(f"trained{strategy.worker_index}")
+    if strategy.worker_index == 1:
+        wait_for_file(os.path.join(FLAGS.out_dir, "chief_done"), 240)
+        return history
+    third = model.fit(xs, ys, epochs=1, **one)
+    save("chief_done")
+    for key, values in third.history.items():
+        history.history[key] = history.history.get(key, []) + values
+    history.epoch = history.epoch + [len(history.epoch)]
+    return history
+
+
 def main(argv):
     del argv
     overrides = {}
@@ -244,6 +281,8 @@ def main(argv):
         save("initial.json", weights=[w.tolist() for w in model.get_weights()])
     if FLAGS.scenario == "restart":
         history = restart_scenario(strategy, model, xs, ys)
+    elif FLAGS.scenario == "rows_restart":
+        history = rows_restart_scenario(strategy, model, xs, ys)
     elif FLAGS.scenario == "late":
         # The chief starts the run with one step, worker 1 joins with one step; the chief
         # then trains an epoch alone, and worker 1's next push, computed on the weights of

@@ -29,6 +29,7 @@ from tfdist.compression import state as compression_state
 from tfdist.compression.base import sum_payload_bytes
 from tfdist.compression.exchange import compression_logs
 from tfdist.ps import protocol
+from tfdist.ps import tables
 from tfdist.ps import wire
 from tfdist.ps.wire import push_key
 
@@ -142,18 +143,23 @@ class PushCodec:
 
         return payload, keep_state
 
-    def measure(self, layouts, sent, pushed_values, replies):
+    def measure(self, layouts, sent, pushed_values, replies, pushed_rows):
         """The updates recording one exchange's bytes: the payloads `sent`, and
-        `[compressed, dense]` bytes of the round trips to every ps task: each push (its tag
-        and rank, the state values it carries, the payload) and each reply (its token, its
-        dropped flag, progress and the worker's shard of the model: replies are never
-        compressed, so the push path's ratio is at most about 2x)."""
+        `[compressed, dense]` bytes of the step's traffic with every ps task: each push (its
+        tag and rank, the state values it carries, the payload, and the row pairs
+        `pushed_rows[shard]`: a table's gradient rows and ids, a table averaged by rows'
+        changed rows), each reply (its token, its dropped flag, progress and the worker's
+        shard of the model, with the rows a round of a table averaged by rows changed:
+        replies are never compressed, so the push path's ratio is at most about 2x), and
+        what the step's lookups of tables kept on the ps moved (ids out, rows back:
+        `tfdist.ps.tables.take_read_bytes`). Rows travel uncompressed."""
         payload_bytes = sum_payload_bytes(sent)
         header = 16 + 8 * (2 + protocol.num_stats(self._connection.num_workers))
-        common = tf.constant(header * len(replies), tf.int64)
-        for values, reply in zip(pushed_values, replies):
+        common = tf.constant(header * len(replies), tf.int64) + tables.take_read_bytes()
+        for values, reply, rows in zip(pushed_values, replies, pushed_rows):
             common += 4 * (tf.size(values, out_type=tf.int64)
                            + tf.size(reply.values, out_type=tf.int64))
+            common += wire.row_pairs_bytes(rows)
         dense = 4 * sum(layout.main_size for layout in layouts)
         return [self._bytes_sent.assign(payload_bytes),
                 self._wire.assign(tf.stack([common + payload_bytes, common + dense]))]

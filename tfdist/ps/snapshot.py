@@ -12,7 +12,8 @@ once, as a plain read's would).
 Inside `consistent_reads()` the eager reads of masters come from one snapshot per shard,
 taken at the first read of one of its masters. Keras's whole-model reads enter it
 (`Model.save`, `Model.save_weights`, `Layer.get_weights`: `ModelCheckpoint`,
-`BackupAndRestore` and `EarlyStopping` call them), and so does `join()`'s final read; a read
+`BackupAndRestore` and `EarlyStopping` call them), and so does `join()`'s final read (of
+the mirrors' masters only: its snapshots leave the table parts out); a read
 outside it takes the master as it is then. Shards are read one after the other: each is
 between two of its own updates (with several ps tasks, each task updates its shard on its
 own, so no moment holds for all of them). An embedding table kept on the ps tasks is read in
@@ -32,13 +33,18 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
-def consistent_reads():
+def consistent_reads(tables=True):
     """Eager reads of master variables in this thread, until it exits, come from one
-    snapshot per shard (re-entrant: an inner one reads from the outer one's snapshots)."""
+    snapshot per shard (re-entrant: an inner one reads from the outer one's snapshots).
+
+    `tables=False`: the reads inside take no part of a table kept on the ps (`join()`'s
+    final read of the mirrors): the snapshots leave them out, where a copy of each would
+    double the tables on their ps tasks meanwhile; a part read all the same is read as it
+    is."""
     if active():
         yield
         return
-    _state.taken = {}
+    _state.taken, _state.tables = {}, tables
     try:
         yield
     finally:
@@ -84,6 +90,7 @@ class ShardSnapshot:
         self.masters = list(masters)
         self.tables = []
         self._take = tf.function(self._take_fn)
+        self._take_masters = tf.function(lambda: self._take_fn(tables=False))
         for master in self.masters:
             master.snapshot = self
         _tf_compat.keras_whole_model_reads(consistent_reads)
@@ -95,9 +102,10 @@ class ShardSnapshot:
         for master in parts:
             master.snapshot = self
 
-    def _take_fn(self):
+    def _take_fn(self, tables=True):
         def read():
-            return [tf.identity(m.read_value()) for m in self.masters + self.tables]
+            return [tf.identity(m.read_value())
+                    for m in self.masters + (self.tables if tables else [])]
 
         values, released = locked(self.lock, read)
         with tf.control_dependencies([released]):
@@ -113,6 +121,8 @@ class ShardSnapshot:
             # Called on the ps task, the snapshot stays there: a value crosses to the
             # worker when it is read (a table part's, chunk by chunk).
             with tf.device(self.device):
-                values = self._take()
+                values = self._take() if _state.tables else self._take_masters()
             taken[id(self)] = dict(zip((id(m) for m in self.masters + self.tables), values))
+        if id(master) not in taken[id(self)]:
+            return master.read_value()  # a table part, left out (`consistent_reads`)
         return taken[id(self)][id(master)]

@@ -45,7 +45,8 @@ def part_name(path, rows):
 
 
 # The lookups of the replica step running (or being traced) in this thread, by table:
-# `{id(table): [(ids, rows)]}`, or None outside a step.
+# `{id(table): [(ids, rows)]}`, or None outside a step; and the bytes each lookup of the step
+# moved (`take_read_bytes`).
 _step = threading.local()
 
 
@@ -53,13 +54,24 @@ _step = threading.local()
 def step_lookups():
     """One replica step: the lookups of tables that record them (`record_lookups`) are kept
     until its push takes them (`take_lookups`), and let go when it ends, taken or not (an
-    evaluate or predict step's, an eager step's)."""
-    previous = getattr(_step, "lookups", None)
-    _step.lookups = {}
+    evaluate or predict step's, an eager step's); so are the bytes every lookup moved."""
+    previous = getattr(_step, "lookups", None), getattr(_step, "reads", None)
+    _step.lookups, _step.reads = {}, []
     try:
         yield
     finally:
-        _step.lookups = previous
+        _step.lookups, _step.reads = previous
+
+
+def take_read_bytes():
+    """The bytes the lookups of the current step (`step_lookups`) moved, an int64 scalar:
+    each id sent to the ps task that holds its row, and the row back (a row read twice,
+    twice). Then forgets them. A lookup inside a `tf.cond` or loop of the model cannot be
+    reached from the push, and is left out."""
+    reads = getattr(_step, "reads", None) or []
+    _step.reads = []
+    reachable = [size for size in reads if _reachable(size)]
+    return tf.add_n(reachable) if reachable else tf.constant(0, tf.int64)
 
 
 def _reachable(tensor):
@@ -127,6 +139,8 @@ class TableVariable(_tf_compat.BaseResourceVariable):
         variable._tfdist_record_lookups = False
         variable._tfdist_pending = None   # the chief's value from before the run
         variable._tfdist_joined = False
+        # The parts this worker wrote its initial value into since it last joined a run.
+        variable._tfdist_written = set()
         return variable
 
     @property
@@ -181,6 +195,11 @@ class TableVariable(_tf_compat.BaseResourceVariable):
             return result, gradient
 
         result = lookup(self.handle)
+        reads = getattr(_step, "reads", None)
+        if reads is not None:
+            row_bytes = shape[1:].num_elements() * self.dtype.size
+            reads.append(tf.size(indices, out_type=tf.int64)
+                         * (indices.dtype.size + row_bytes))
         record = getattr(_step, "lookups", None)
         if self._tfdist_record_lookups and record is not None:
             record.setdefault(id(self), []).append(
@@ -291,16 +310,24 @@ class TableVariable(_tf_compat.BaseResourceVariable):
 
     def initialize(self, force=False):
         """Writes the initial value into every part that holds nothing yet (`force`: into
-        every part): the chief's own value if it wrote one before the run, else the
-        initializer's, computed on the first part's ps task (nothing crosses to this
-        worker). Returns how many parts it wrote."""
+        every part, but those this worker wrote since it last joined a run: a step's
+        `ready()` wrote them just before its run started): the chief's own value if it
+        wrote one before the run, else the initializer's, computed on the first part's ps
+        task (nothing crosses to this worker). Returns how many parts it wrote."""
         targets = [(m, rows) for m, rows in self._tfdist_parts
-                   if force or not variables_lib.is_initialized(m)]
+                   if not variables_lib.is_initialized(m)
+                   or (force and id(m) not in self._tfdist_written)]
         if not targets:
             return 0
+        self._write_initial(targets)
+        self._tfdist_written.update(id(m) for m, _ in targets)
+        return len(targets)
+
+    def _write_initial(self, targets):
+        """Writes the initial value (`initialize`) into the parts `targets`."""
         if self._tfdist_pending is not None:
             self._write_parts(self._tfdist_pending, targets)
-            return len(targets)
+            return
         initial = self._tfdist_initial_value
         with tf.init_scope(), tf.device(self._tfdist_parts[0][0].device):
             value = initial() if callable(initial) else initial
@@ -308,8 +335,12 @@ class TableVariable(_tf_compat.BaseResourceVariable):
             if value.shape != self.shape:
                 raise ValueError(f"the initial value of table {self._tfdist_path} has shape "
                                  f"{value.shape}, not {self.shape}")
+            if len(self._tfdist_parts) == 1:
+                # One part, on this device: the value becomes the part (an assign takes the
+                # tensor, not a copy), where a write in chunks would hold both.
+                self._tfdist_parts[0][0].assign(value, read_value=False)
+                return
         self._write_parts(value, targets)
-        return len(targets)
 
     def joined(self, initialized):
         """The worker joined a run: the chief's value from before it (`load_weights`, a
@@ -321,6 +352,7 @@ class TableVariable(_tf_compat.BaseResourceVariable):
                 "joining it is dropped", self._tfdist_path)
         self._tfdist_pending = None
         self._tfdist_joined = True
+        self._tfdist_written = set()
 
     def _write_parts(self, value, parts):
         """Writes `value` (the whole table: a NumPy array, or a tensor on some device) into
@@ -360,6 +392,7 @@ class TableVariable(_tf_compat.BaseResourceVariable):
             # Before the run: the chief's value, written when it starts a new run (a run in
             # progress keeps its own table, as for every master variable).
             self._tfdist_pending = value
+            self._tfdist_written = set()
         return self
 
     def assign(self, value, use_locking=None, name=None, read_value=True):

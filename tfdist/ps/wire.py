@@ -101,6 +101,17 @@ def sparse_rows(gradient, entry):
             tf.reshape(tf.cast(gradient.values, tf.float32), [-1]))
 
 
+def row_pairs_bytes(pieces):
+    """The bytes a push's row pairs take on the wire (`pieces`: ids, flat values, ids, ...):
+    8 per id (an int64 as two float32 words), 4 per value, and each piece's size in the
+    pack's head (8)."""
+    total = tf.constant(0, tf.int64)
+    for ids, values in zip(pieces[::2], pieces[1::2]):
+        total += (16 + 8 * tf.size(ids, out_type=tf.int64)
+                  + 4 * tf.size(values, out_type=tf.int64))
+    return total
+
+
 def rows_section(pairs):
     """The tail of a reply that carries rows (tables averaged by rows): each entry's row
     count, then each entry's ids and flat row values, as one float32 vector (int64s as the

@@ -266,7 +266,7 @@ class ParameterServerExtended(WorkerRunMixin, BetweenGraphExtendedMixin,
 
     def _exchange(self, main_tensor):
         """One push-and-receive per ps task, in parallel; the replies land in the mirrors."""
-        updates, sent, pushed_values = [], [], []
+        updates, sent, pushed_values, pushed_rows = [], [], [], []
         # One read of every shard's tag before any push: a read per shard after the previous
         # shard's reply was written would make each round trip wait for the one before.
         tags = tf.unstack(self._tags.read_value())
@@ -291,8 +291,9 @@ class ParameterServerExtended(WorkerRunMixin, BetweenGraphExtendedMixin,
                                                            self._push.optimizer)
                 sent.append(payload)
             # The rows of each table's gradient on this ps task (never compressed).
-            payload = (*payload, *self._tables.pushed_rows(shard, layout, main_tensor, lookups),
-                       *self._push.pushed_rows(shard))
+            pushed_rows.append((*self._tables.pushed_rows(shard, layout, main_tensor, lookups),
+                                *self._push.pushed_rows(shard)))
+            payload = (*payload, *pushed_rows[-1])
             # Shards do not wait for each other: their round trips overlap.
             replies.append(client.push_and_receive(tag, payload, values))
             if keep_state is not None:
@@ -300,7 +301,7 @@ class ParameterServerExtended(WorkerRunMixin, BetweenGraphExtendedMixin,
                 updates += keep_state(replies[-1].dropped)
         updates += self._assign_replies(replies)
         if sent:
-            updates += self._codec.measure(self._layouts, sent, pushed_values, replies)
+            updates += self._codec.measure(self._layouts, sent, pushed_values, replies, pushed_rows)
         return tf.group(updates)
 
     def _assign_replies(self, replies):

@@ -309,9 +309,9 @@ class WorkerRunMixin:
                  [v._tfdist_path for v, _ in kept])
 
     def _take_masters(self):
-        with tf.init_scope(), replica_step(), snapshot.consistent_reads():
+        with tf.init_scope(), replica_step(), snapshot.consistent_reads(tables=False):
             # Tables averaged by rows are read in bounded chunks (`ChangedRows`), the rest
-            # whole.
+            # whole (tables kept on the ps: not at all, nor copied for the snapshot).
             variables = {id(p.variable): p.variable for parts in self._shards for p in parts}
             for variable in variables.values():
                 variable.assign_read(variable.master_value())
