@@ -28,6 +28,9 @@ from tests.strategies.ps_testing import make_cluster
 from tests.strategies.ps_testing import run_cluster
 from tfdist.cluster import ClusterConfig
 from tfdist.cluster import pick_free_ports
+from tfdist.cluster.probe import ANSWERED
+from tfdist.cluster.probe import GONE
+from tfdist.cluster.probe import STALLED
 from tfdist.gossip import graphs
 from tfdist.gossip import node as node_lib
 from tfdist.gossip import protocol
@@ -248,12 +251,39 @@ class ArgumentsTest(tf.test.TestCase):
 
 
 class PeerWatchTest(tf.test.TestCase):
+    """The watcher of a node made by hand (no server, no courier), with a scripted probe."""
+
+    def watch(self, probe_class, peer_timeout, stall_timeout):
+        """Runs the watcher of worker 0 of 3 (peers 1 and 2 at localhost:1 and :2) until it
+        reports a peer, within a bound; returns `(node, reported, seconds)`."""
+        node = node_lib.GossipNode.__new__(node_lib.GossipNode)
+        node.rank, node.num_workers, node.task_name = 0, 3, "/job:worker/task:0"
+        node.names = [f"/job:worker/task:{r}" for r in range(3)]
+        node.addresses = ["localhost:0", "localhost:1", "localhost:2"]
+        node.expected, node.peer_timeout, node.stall_timeout = {1, 2}, peer_timeout, stall_timeout
+        node.courier = types.SimpleNamespace(poll=lambda: None)
+        node._lock, node._stop, node._why = threading.Lock(), threading.Event(), {}
+        reported = []
+        node._report = reported.append
+        original = node_lib.ServerProbe
+        node_lib.ServerProbe = probe_class
+        try:
+            start = time.monotonic()
+            watcher = threading.Thread(target=node._watch, daemon=True)
+            watcher.start()  # it returns once it has reported
+            watcher.join(60)
+            took = time.monotonic() - start
+        finally:
+            node._stop.set()
+            node_lib.ServerProbe = original
+        self.assertFalse(watcher.is_alive(), "the watcher reported no peer within 60 s")
+        return node, reported, took
 
     def test_a_peer_that_stops_answering_is_reported_after_stall_timeout(self):
         # A peer whose port accepts connections but whose server does not answer (a stopped
         # process, a hung machine: `ServerProbe` says STALLED, tests/ps/membership_test.py)
         # is reported after `stall_timeout`, named with why; one that answers never is.
-        answers = {"localhost:1": node_lib.STALLED, "localhost:2": node_lib.ANSWERED}
+        answers = {"localhost:1": STALLED, "localhost:2": ANSWERED}
 
         class Probe:
             def __init__(self, timeout):
@@ -266,27 +296,47 @@ class PeerWatchTest(tf.test.TestCase):
             def close(self):
                 pass
 
-        node = node_lib.GossipNode.__new__(node_lib.GossipNode)
-        node.rank, node.num_workers, node.task_name = 0, 3, "/job:worker/task:0"
-        node.names = [f"/job:worker/task:{r}" for r in range(3)]
-        node.addresses = ["localhost:0", "localhost:1", "localhost:2"]
-        node.expected, node.peer_timeout, node.stall_timeout = {1, 2}, 10.0, 1.0
-        node.courier = types.SimpleNamespace(poll=lambda: None)
-        node._lock, node._stop, node._why = threading.Lock(), threading.Event(), {}
-        reported = []
-        node._report = reported.append
-        original = node_lib.ServerProbe
-        node_lib.ServerProbe = Probe
-        try:
-            start = time.monotonic()
-            node._watch()  # returns once it has reported
-        finally:
-            node_lib.ServerProbe = original
+        node, reported, took = self.watch(Probe, peer_timeout=10.0, stall_timeout=1.0)
         self.assertEqual(reported, [1])
-        self.assertGreaterEqual(time.monotonic() - start, 1.0)
+        self.assertGreaterEqual(took, 1.0)
         self.assertRegex(node.dead_message(1),
                          r"/job:worker/task:1 at localhost:1 stopped answering \(no answer for "
                          r"\d+ s, stall_timeout=1 s; DeadlineExceededError: Deadline Exceeded\)")
+
+    def test_a_stalled_peer_does_not_delay_another_peers_gone_verdict(self):
+        # Peer 1 hangs: a probe of it takes its whole deadline, here until peer 2 has been
+        # probed as often (at most 3 s, a probe's deadline). Peer 2 was killed: nothing
+        # listens there. The peers are probed at once, so peer 2 is reported after
+        # `peer_timeout` without a probe of peer 1 ever waiting out its deadline. (Probed
+        # one after the other, each probe of peer 2 waited for peer 1's: 7 s, two waits.)
+        probes = {"localhost:1": 0, "localhost:2": 0}
+        change = threading.Condition()
+        waited_out = []
+
+        class Probe:
+            def __init__(self, timeout):
+                self.timeout, self.errors = timeout, {}
+
+            def __call__(self, address, task):
+                with change:
+                    probes[address] += 1
+                    change.notify_all()
+                    if address == "localhost:2":
+                        return GONE
+                    if not change.wait_for(
+                            lambda: probes["localhost:2"] >= probes["localhost:1"], timeout=3.0):
+                        waited_out.append(probes[address])
+                    return STALLED
+
+            def close(self):
+                pass
+
+        node, reported, took = self.watch(Probe, peer_timeout=1.0, stall_timeout=60.0)
+        self.assertEqual(reported, [2])
+        self.assertEqual(waited_out, [])
+        self.assertGreaterEqual(took, 1.0)
+        self.assertIn("/job:worker/task:2 at localhost:2 stopped answering (nothing accepts "
+                      "connections there)", node.dead_message(2))
 
 
 class ClusterTest(tf.test.TestCase):
