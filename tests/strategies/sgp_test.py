@@ -8,6 +8,7 @@ worker killed mid-run (the others fail with its name).
 
 import json
 import os
+import queue
 import random
 import signal
 import threading
@@ -35,6 +36,7 @@ from tfdist.gossip import graphs
 from tfdist.gossip import node as node_lib
 from tfdist.gossip import protocol
 from tfdist.gossip.graphs import Schedule
+from tfdist.gossip.plans import Plans
 from tfdist.strategies.gossip import StochasticGradientPushStrategy
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "sgp_program.py")
@@ -248,6 +250,122 @@ class ArgumentsTest(tf.test.TestCase):
         self.assertEqual([int(tags[0]), int(ranks[0]), int(infos[0])], [2 ** 40 + 3, 5, -7])
         self.assertAllEqual(weights, [0.25])
         self.assertAllEqual(values, [[1.5, -2.0]])
+
+
+class Wire:
+    """In-memory plan queues and inboxes between the `Plans` of workers run as threads."""
+
+    def __init__(self, num_workers):
+        pairs = [(r, s) for r in range(num_workers) for s in range(num_workers) if r != s]
+        self.plans = {pair: queue.Queue() for pair in pairs}  # (receiver, sender)
+        self.inboxes = {pair: queue.Queue() for pair in pairs}
+
+    def node(self, rank, num_workers):
+        wire = self
+
+        class Node:
+            def send_plan(self, kind, value, peers):
+                for receiver in range(num_workers):
+                    if receiver != rank:
+                        wire.plans[receiver, rank].put(
+                            (kind, value, np.asarray(peers, np.int64).reshape([-1])))
+
+            def take_plan(self, sender):
+                return wire.plans[rank, sender].get(timeout=HANG_BOUND)
+
+            def dead_message(self, dead):
+                return f"tfdist: /job:worker/task:{dead} stopped answering"
+
+        node = Node()
+        node.rank, node.num_workers = rank, num_workers
+        return node
+
+
+# Seconds a wait in the in-process tests may take: a bound against a hang.
+HANG_BOUND = 20
+
+
+class PlansTest(tf.test.TestCase):
+
+    def test_a_graph_that_diverges_at_step_40_leaves_no_receiver_waiting(self):
+        # The first 40 steps a ring on every worker (so the checks before the first step
+        # pass); then each process answers its own way (hops of 1 and 2 in turn, in a phase
+        # of its own: a function reading its host or process id). A receiver counting on its
+        # own answers would wait at step 40 for a message never sent (tested: a cluster run
+        # of 3 workers hung there). Here each worker counts on its senders' plans: every
+        # step takes exactly what was sent to it at that step, nothing waits. Worker 2 ends
+        # after 70 steps; its peers count nothing from it after that.
+        num_workers, steps = 3, {0: 100, 1: 100, 2: 70}
+
+        def graph_of(process):
+            def by_process(step, rank, num_workers):
+                if step < 40:
+                    return [(rank + 1) % num_workers]
+                return [(rank + 1 + (process + step) % 2) % num_workers]
+            return by_process
+
+        schedules = [Schedule(graph_of(r), 1, num_workers) for r in range(num_workers)]
+        # The receiver's own answer differs from its sender's at step 40: worker 1 sends to
+        # worker 0, which expects worker 2 only.
+        self.assertEqual(schedules[1].out_peers(40, 1), [0])
+        self.assertEqual(schedules[0].in_counts(40, 0).tolist(), [0, 0, 1])
+
+        wire = Wire(num_workers)
+        failures, taken = [], {r: [] for r in range(num_workers)}
+
+        def work(rank):
+            # The engine's step with overlap=False: send, count, take (an END in place of
+            # a message: that sender ended, nothing more is taken from it); then its join.
+            plans, ended = Plans(schedules[rank], wire.node(rank, num_workers)), set()
+            try:
+                plans.start(0)
+                for step in range(steps[rank]):
+                    for peer in plans.out_peers(step):
+                        if peer >= 0:
+                            wire.inboxes[peer, rank].put(step)
+                    counts = plans.in_counts(step)
+                    for sender in set(range(num_workers)) - ended:
+                        for _ in range(counts[sender]):
+                            tag = wire.inboxes[rank, sender].get(timeout=HANG_BOUND)
+                            if tag == "END":
+                                ended.add(sender)
+                                break
+                            taken[rank].append((step, sender, tag))
+                plans.end(steps[rank])
+                for peer in range(num_workers):
+                    if peer != rank:
+                        wire.inboxes[peer, rank].put("END")
+            except Exception as e:  # noqa: BLE001 - reported by the test's thread
+                failures.append((rank, repr(e)))
+
+        threads = [threading.Thread(target=work, args=(r,), daemon=True)
+                   for r in range(num_workers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(3 * HANG_BOUND)
+        self.assertFalse(any(t.is_alive() for t in threads), "a worker waits for ever")
+        self.assertEqual(failures, [])
+        for rank in range(num_workers):
+            self.assertTrue(all(step == tag for step, _, tag in taken[rank]), taken[rank])
+        # Every message was taken at its step, except those sent to worker 2 after its end
+        # (its join takes them).
+        left = {pair: [t for t in q.queue if t != "END"] for pair, q in wire.inboxes.items()}
+        left = {pair: tags for pair, tags in left.items() if tags}
+        self.assertEqual(set(left), {(2, 0), (2, 1)})
+        self.assertGreaterEqual(min(t for tags in left.values() for t in tags), 70)
+        self.assertEqual(sum(len(t) for t in taken.values()) + sum(map(len, left.values())),
+                         sum(steps.values()))
+        # At step 40 worker 0 hears from worker 1 too, as worker 1 decided.
+        self.assertIn((40, 1, 40), taken[0])
+
+    def test_a_dead_sender_fails_the_receivers_wait_for_its_plan_naming_it(self):
+        wire = Wire(2)
+        plans = Plans(Schedule(lambda step, rank, n: [1 - rank], 1, 2), wire.node(0, 2))
+        plans.start(0)
+        wire.plans[0, 1].put((protocol.PLAN_DEAD, 1, np.zeros([0], np.int64)))
+        with self.assertRaisesRegex(node_lib.PeerError, r"/job:worker/task:1 stopped"):
+            plans.in_counts(0)
 
 
 class PeerWatchTest(tf.test.TestCase):

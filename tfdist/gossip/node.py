@@ -124,6 +124,7 @@ class GossipNode:
         with tf.init_scope():
             self.inboxes = {s: protocol.inbox_queue(self.host_device, s, size)
                             for s in range(self.num_workers) if s != self.rank}
+            self.plans = {s: protocol.plan_queue(self.host_device, s) for s in self.inboxes}
         self.size = size
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="sgp-watcher")
         self._watcher.start()
@@ -133,6 +134,19 @@ class GossipNode:
         with tf.device(self.host_device):
             return tf.raw_ops.QueueEnqueueV2(handle=self.outbox,
                                              components=[tf.cast(peers, tf.int32), message])
+
+    def send_plan(self, kind, value, peers):
+        """Sends a plan (`tfdist.gossip.plans`) to every peer (eagerly)."""
+        others = [protocol.PLAN] + [r for r in range(self.num_workers) if r != self.rank]
+        with tf.init_scope():
+            self.send(tf.constant(others), protocol.pack_plan(kind, value, peers))
+
+    def take_plan(self, sender):
+        """The next plan from `sender` (eagerly, waiting for it): `(kind, value, peers)`."""
+        with tf.init_scope(), tf.device(self.host_device):
+            plan = tf.raw_ops.QueueDequeueV2(handle=self.plans[sender],
+                                             component_types=[tf.float32])[0]
+        return protocol.unpack_plan(plan)
 
     def take(self, needed, greedy, skip):
         """Takes, from each sender s, `needed[s]` messages (waiting for them), and with
@@ -228,9 +242,11 @@ class GossipNode:
         self.reported = dead
         log.error("%s", self.dead_message(dead))
         poison = protocol.control(protocol.DEAD, self.rank, dead, self.size)
-        for queue in self.inboxes.values():
+        plan = protocol.pack_plan(protocol.PLAN_DEAD, dead, [])
+        for sender, queue in self.inboxes.items():
             with tf.device(self.host_device):
                 tf.raw_ops.QueueEnqueueV2(handle=queue, components=[poison])
+                tf.raw_ops.QueueEnqueueV2(handle=self.plans[sender], components=[plan])
 
     # Ending ------------------------------------------------------------------------------
 
