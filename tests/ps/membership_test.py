@@ -246,7 +246,7 @@ class PSWatchdogTest(tf.test.TestCase):
                                            ps_names=["/job:ps/task:0", "/job:ps/task:1"])
         watchdog = PSWatchdog(connection, stall_timeout, self.ended.append, probe=self.probe,
                               clock=lambda: self.now, fuse=False)
-        self.addCleanup(watchdog._probes.close)
+        self.addCleanup(watchdog.liveness.close)
         return watchdog
 
     def poll_until(self, watchdog, until, step=1.0):
@@ -291,7 +291,7 @@ class PSWatchdogTest(tf.test.TestCase):
 
     def test_its_thread_calls_on_stall_once_and_stops(self):
         watchdog = self.watchdog(stall_timeout=0.2)
-        watchdog._clock = time.monotonic
+        watchdog.liveness._clock = time.monotonic
         watchdog.interval = 0.05
         self.probe.answers["ps0:1"] = GONE
         watchdog.start()
@@ -303,7 +303,7 @@ class PSWatchdogTest(tf.test.TestCase):
     def test_stop_ends_its_thread(self):
         # A worker that left its run stops watching: its thread ends, nothing is called.
         watchdog = self.watchdog(stall_timeout=HANG_BOUND)
-        watchdog._clock = time.monotonic
+        watchdog.liveness._clock = time.monotonic
         watchdog.interval = 0.05
         self.probe.answers["ps0:1"] = STALLED
         watchdog.start()

@@ -8,6 +8,7 @@ worker killed mid-run (the others fail with its name).
 
 import json
 import os
+import queue
 import random
 import signal
 import threading
@@ -28,10 +29,14 @@ from tests.strategies.ps_testing import make_cluster
 from tests.strategies.ps_testing import run_cluster
 from tfdist.cluster import ClusterConfig
 from tfdist.cluster import pick_free_ports
+from tfdist.cluster.probe import ANSWERED
+from tfdist.cluster.probe import GONE
+from tfdist.cluster.probe import STALLED
 from tfdist.gossip import graphs
 from tfdist.gossip import node as node_lib
 from tfdist.gossip import protocol
 from tfdist.gossip.graphs import Schedule
+from tfdist.gossip.plans import Plans
 from tfdist.strategies.gossip import StochasticGradientPushStrategy
 
 PROGRAM = os.path.join(os.path.dirname(__file__), "sgp_program.py")
@@ -247,13 +252,156 @@ class ArgumentsTest(tf.test.TestCase):
         self.assertAllEqual(values, [[1.5, -2.0]])
 
 
+class Wire:
+    """In-memory plan queues and inboxes between the `Plans` of workers run as threads."""
+
+    def __init__(self, num_workers):
+        pairs = [(r, s) for r in range(num_workers) for s in range(num_workers) if r != s]
+        self.plans = {pair: queue.Queue() for pair in pairs}  # (receiver, sender)
+        self.inboxes = {pair: queue.Queue() for pair in pairs}
+
+    def node(self, rank, num_workers):
+        wire = self
+
+        class Node:
+            def send_plan(self, kind, value, peers):
+                for receiver in range(num_workers):
+                    if receiver != rank:
+                        wire.plans[receiver, rank].put(
+                            (kind, value, np.asarray(peers, np.int64).reshape([-1])))
+
+            def take_plan(self, sender):
+                return wire.plans[rank, sender].get(timeout=HANG_BOUND)
+
+            def dead_message(self, dead):
+                return f"tfdist: /job:worker/task:{dead} stopped answering"
+
+        node = Node()
+        node.rank, node.num_workers = rank, num_workers
+        return node
+
+
+# Seconds a wait in the in-process tests may take: a bound against a hang.
+HANG_BOUND = 20
+
+
+class PlansTest(tf.test.TestCase):
+
+    def test_a_graph_that_diverges_at_step_40_leaves_no_receiver_waiting(self):
+        # The first 40 steps a ring on every worker (so the checks before the first step
+        # pass); then each process answers its own way (hops of 1 and 2 in turn, in a phase
+        # of its own: a function reading its host or process id). A receiver counting on its
+        # own answers would wait at step 40 for a message never sent (tested: a cluster run
+        # of 3 workers hung there). Here each worker counts on its senders' plans: every
+        # step takes exactly what was sent to it at that step, nothing waits. Worker 2 ends
+        # after 70 steps; its peers count nothing from it after that.
+        num_workers, steps = 3, {0: 100, 1: 100, 2: 70}
+
+        def graph_of(process):
+            def by_process(step, rank, num_workers):
+                if step < 40:
+                    return [(rank + 1) % num_workers]
+                return [(rank + 1 + (process + step) % 2) % num_workers]
+            return by_process
+
+        schedules = [Schedule(graph_of(r), 1, num_workers) for r in range(num_workers)]
+        # The receiver's own answer differs from its sender's at step 40: worker 1 sends to
+        # worker 0, which expects worker 2 only.
+        self.assertEqual(schedules[1].out_peers(40, 1), [0])
+        self.assertEqual(schedules[0].in_counts(40, 0).tolist(), [0, 0, 1])
+
+        wire = Wire(num_workers)
+        failures, taken = [], {r: [] for r in range(num_workers)}
+
+        def work(rank):
+            # The engine's step with overlap=False: send, count, take (an END in place of
+            # a message: that sender ended, nothing more is taken from it); then its join.
+            plans, ended = Plans(schedules[rank], wire.node(rank, num_workers)), set()
+            try:
+                plans.start(0)
+                for step in range(steps[rank]):
+                    for peer in plans.out_peers(step):
+                        if peer >= 0:
+                            wire.inboxes[peer, rank].put(step)
+                    counts = plans.in_counts(step)
+                    for sender in set(range(num_workers)) - ended:
+                        for _ in range(counts[sender]):
+                            tag = wire.inboxes[rank, sender].get(timeout=HANG_BOUND)
+                            if tag == "END":
+                                ended.add(sender)
+                                break
+                            taken[rank].append((step, sender, tag))
+                plans.end(steps[rank])
+                for peer in range(num_workers):
+                    if peer != rank:
+                        wire.inboxes[peer, rank].put("END")
+            except Exception as e:  # noqa: BLE001 - reported by the test's thread
+                failures.append((rank, repr(e)))
+
+        threads = [threading.Thread(target=work, args=(r,), daemon=True)
+                   for r in range(num_workers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(3 * HANG_BOUND)
+        self.assertFalse(any(t.is_alive() for t in threads), "a worker waits for ever")
+        self.assertEqual(failures, [])
+        for rank in range(num_workers):
+            self.assertTrue(all(step == tag for step, _, tag in taken[rank]), taken[rank])
+        # Every message was taken at its step, except those sent to worker 2 after its end
+        # (its join takes them).
+        left = {pair: [t for t in q.queue if t != "END"] for pair, q in wire.inboxes.items()}
+        left = {pair: tags for pair, tags in left.items() if tags}
+        self.assertEqual(set(left), {(2, 0), (2, 1)})
+        self.assertGreaterEqual(min(t for tags in left.values() for t in tags), 70)
+        self.assertEqual(sum(len(t) for t in taken.values()) + sum(map(len, left.values())),
+                         sum(steps.values()))
+        # At step 40 worker 0 hears from worker 1 too, as worker 1 decided.
+        self.assertIn((40, 1, 40), taken[0])
+
+    def test_a_dead_sender_fails_the_receivers_wait_for_its_plan_naming_it(self):
+        wire = Wire(2)
+        plans = Plans(Schedule(lambda step, rank, n: [1 - rank], 1, 2), wire.node(0, 2))
+        plans.start(0)
+        wire.plans[0, 1].put((protocol.PLAN_DEAD, 1, np.zeros([0], np.int64)))
+        with self.assertRaisesRegex(node_lib.PeerError, r"/job:worker/task:1 stopped"):
+            plans.in_counts(0)
+
+
 class PeerWatchTest(tf.test.TestCase):
+    """The watcher of a node made by hand (no server, no courier), with a scripted probe."""
+
+    def watch(self, probe_class, peer_timeout, stall_timeout):
+        """Runs the watcher of worker 0 of 3 (peers 1 and 2 at localhost:1 and :2) until it
+        reports a peer, within a bound; returns `(node, reported, seconds)`."""
+        node = node_lib.GossipNode.__new__(node_lib.GossipNode)
+        node.rank, node.num_workers, node.task_name = 0, 3, "/job:worker/task:0"
+        node.names = [f"/job:worker/task:{r}" for r in range(3)]
+        node.addresses = ["localhost:0", "localhost:1", "localhost:2"]
+        node.expected, node.peer_timeout, node.stall_timeout = {1, 2}, peer_timeout, stall_timeout
+        node.courier = types.SimpleNamespace(poll=lambda: None)
+        node._lock, node._stop, node._why = threading.Lock(), threading.Event(), {}
+        reported = []
+        node._report = reported.append
+        original = node_lib.ServerProbe
+        node_lib.ServerProbe = probe_class
+        try:
+            start = time.monotonic()
+            watcher = threading.Thread(target=node._watch, daemon=True)
+            watcher.start()  # it returns once it has reported
+            watcher.join(60)
+            took = time.monotonic() - start
+        finally:
+            node._stop.set()
+            node_lib.ServerProbe = original
+        self.assertFalse(watcher.is_alive(), "the watcher reported no peer within 60 s")
+        return node, reported, took
 
     def test_a_peer_that_stops_answering_is_reported_after_stall_timeout(self):
         # A peer whose port accepts connections but whose server does not answer (a stopped
         # process, a hung machine: `ServerProbe` says STALLED, tests/ps/membership_test.py)
         # is reported after `stall_timeout`, named with why; one that answers never is.
-        answers = {"localhost:1": node_lib.STALLED, "localhost:2": node_lib.ANSWERED}
+        answers = {"localhost:1": STALLED, "localhost:2": ANSWERED}
 
         class Probe:
             def __init__(self, timeout):
@@ -266,27 +414,47 @@ class PeerWatchTest(tf.test.TestCase):
             def close(self):
                 pass
 
-        node = node_lib.GossipNode.__new__(node_lib.GossipNode)
-        node.rank, node.num_workers, node.task_name = 0, 3, "/job:worker/task:0"
-        node.names = [f"/job:worker/task:{r}" for r in range(3)]
-        node.addresses = ["localhost:0", "localhost:1", "localhost:2"]
-        node.expected, node.peer_timeout, node.stall_timeout = {1, 2}, 10.0, 1.0
-        node.courier = types.SimpleNamespace(poll=lambda: None)
-        node._lock, node._stop, node._why = threading.Lock(), threading.Event(), {}
-        reported = []
-        node._report = reported.append
-        original = node_lib.ServerProbe
-        node_lib.ServerProbe = Probe
-        try:
-            start = time.monotonic()
-            node._watch()  # returns once it has reported
-        finally:
-            node_lib.ServerProbe = original
+        node, reported, took = self.watch(Probe, peer_timeout=10.0, stall_timeout=1.0)
         self.assertEqual(reported, [1])
-        self.assertGreaterEqual(time.monotonic() - start, 1.0)
+        self.assertGreaterEqual(took, 1.0)
         self.assertRegex(node.dead_message(1),
                          r"/job:worker/task:1 at localhost:1 stopped answering \(no answer for "
                          r"\d+ s, stall_timeout=1 s; DeadlineExceededError: Deadline Exceeded\)")
+
+    def test_a_stalled_peer_does_not_delay_another_peers_gone_verdict(self):
+        # Peer 1 hangs: a probe of it takes its whole deadline, here until peer 2 has been
+        # probed as often (at most 3 s, a probe's deadline). Peer 2 was killed: nothing
+        # listens there. The peers are probed at once, so peer 2 is reported after
+        # `peer_timeout` without a probe of peer 1 ever waiting out its deadline. (Probed
+        # one after the other, each probe of peer 2 waited for peer 1's: 7 s, two waits.)
+        probes = {"localhost:1": 0, "localhost:2": 0}
+        change = threading.Condition()
+        waited_out = []
+
+        class Probe:
+            def __init__(self, timeout):
+                self.timeout, self.errors = timeout, {}
+
+            def __call__(self, address, task):
+                with change:
+                    probes[address] += 1
+                    change.notify_all()
+                    if address == "localhost:2":
+                        return GONE
+                    if not change.wait_for(
+                            lambda: probes["localhost:2"] >= probes["localhost:1"], timeout=3.0):
+                        waited_out.append(probes[address])
+                    return STALLED
+
+            def close(self):
+                pass
+
+        node, reported, took = self.watch(Probe, peer_timeout=1.0, stall_timeout=60.0)
+        self.assertEqual(reported, [2])
+        self.assertEqual(waited_out, [])
+        self.assertGreaterEqual(took, 1.0)
+        self.assertIn("/job:worker/task:2 at localhost:2 stopped answering (nothing accepts "
+                      "connections there)", node.dead_message(2))
 
 
 class ClusterTest(tf.test.TestCase):

@@ -7,11 +7,12 @@ one peer's context is rebuilt while another talks to it (both checked by hand on
 So each worker starts, beside itself, this small client process, connected to every worker's
 server as the parameter-server family's workers are to ps tasks: it takes
 `(out-peers, message)` entries from its worker's `outbox` and enqueues the message in each
-peer's `inbox/{rank}`, in order, while the worker computes its next step.
+peer's `inbox/{rank}` (a callable graph's plan: in its `plan/{rank}`), in order, while the
+worker computes its next step.
 
 A peer that cannot be reached is reported to the worker: a `DEAD` message naming it goes to
-every inbox of the worker, whose step then fails with the peer's name. The courier dies with
-its worker (Linux's parent-death signal) and ends after a `STOP` entry.
+every inbox (and plan queue) of the worker, whose step then fails with the peer's name. The
+courier dies with its worker (Linux's parent-death signal) and ends after a `STOP` entry.
 
 Run as `python -m tfdist.gossip.courier SPEC_JSON` (by `tfdist.gossip.node`).
 """
@@ -72,13 +73,16 @@ def serve(spec):
         if peers == [protocol.STOP]:
             return 0
         size = int(message.shape[0])
+        plan = peers[:1] == [protocol.PLAN]  # a plan, to the peers' plan queues
         for peer in (p for p in peers if p >= 0):
             device = protocol.task_device(tasks[peer])
+            key = ("plan", peer) if plan else peer
             try:
-                if peer not in inboxes:
-                    inboxes[peer] = protocol.inbox_queue(device, rank, size)
+                if key not in inboxes:
+                    inboxes[key] = (protocol.plan_queue(device, rank) if plan else
+                                    protocol.inbox_queue(device, rank, size))
                 with tf.device(device):
-                    tf.raw_ops.QueueEnqueueV2(handle=inboxes[peer], components=[message])
+                    tf.raw_ops.QueueEnqueueV2(handle=inboxes[key], components=[message])
             except tf.errors.OpError as e:
                 log.error("tfdist: %s at %s could not be reached: %s", names[peer],
                           addresses[peer], e.message.splitlines()[0])
@@ -89,11 +93,14 @@ def serve(spec):
 def report_dead(tf, protocol, home, rank, dead, num_workers, size):
     """Puts a DEAD message naming `dead` in every inbox of this courier's worker."""
     poison = protocol.control(protocol.DEAD, rank, dead, size)
+    plan = protocol.pack_plan(protocol.PLAN_DEAD, dead, [])
     for sender in range(num_workers):
         if sender != rank:
             with tf.device(home):
                 tf.raw_ops.QueueEnqueueV2(
                     handle=protocol.inbox_queue(home, sender, size), components=[poison])
+                tf.raw_ops.QueueEnqueueV2(handle=protocol.plan_queue(home, sender),
+                                          components=[plan])
 
 
 def main(argv):

@@ -38,6 +38,7 @@ from tfdist.gossip.graphs import Schedule
 from tfdist.gossip.node import GossipNode
 from tfdist.gossip.node import PeerError
 from tfdist.gossip.node import sum_in_rank_order
+from tfdist.gossip.plans import Plans
 
 log = logging.getLogger("tfdist")
 
@@ -87,8 +88,10 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
                             ("peer_timeout", peer_timeout), ("stall_timeout", stall_timeout)):
             check_seconds(name, value)
         check_int("inter_op_threads", inter_op_threads, "an integer >= 1", low=1)
-        node = GossipNode(config, connect_timeout, peer_timeout, inter_op_threads,
-                          stall_timeout)
+        # A callable graph's step waits for its peers' plans in a `tf.py_function`, which
+        # holds an inter-op thread while it waits: one more.
+        node = GossipNode(config, connect_timeout, peer_timeout,
+                          inter_op_threads + (0 if self._schedule.periodic else 1), stall_timeout)
         super().__init__(container_strategy, node.compute_device)
         self._node = self._connection = node  # `_connection`: for WorkerTasksMixin
         self._overlap = overlap
@@ -99,6 +102,7 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
         self._left = False
         self._final_weight_sum = None
         self._peer_steps = None
+        self._plans = None  # a callable graph's `Plans`, from the first step on
         with tf.init_scope(), tf.device(node.host_device):
             def state(name, value, dtype):
                 return tf.Variable(tf.constant(value, dtype), trainable=False,
@@ -201,6 +205,9 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
             self._node.open_inboxes(protocol.message_size(sum(self._sizes)))
             if not self._schedule.periodic:
                 self._agree_on_schedule()
+                self._plans = Plans(self._schedule, self._node)
+                with tf.init_scope():
+                    self._plans.start(int(self._step.numpy()))
         elif [id(v) for v in variables] != [id(v) for v in self._variables]:
             raise ValueError("the train step trains other variables than the run's first step: "
                              "every step of a Stochastic Gradient Push run must train the same "
@@ -248,15 +255,19 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
             return (tf.gather(out, step % period),
                     lambda s: tf.gather(counts, s % period))
 
-        def call(function, dtype, shape):
-            def run(s):
-                value = tf.py_function(lambda k: function(int(k), rank), [s], dtype)
-                value.set_shape(shape)
-                return value
-            return run
+        # Each worker's own answers, announced in plans; a receiver counts on the senders'
+        # plans (`tfdist.gossip.plans`), after it announced its own (its peers may wait).
+        plans = self._plans
+        out = tf.py_function(lambda k: plans.out_peers(int(k)), [step], tf.int32)
+        out.set_shape([schedule.peers_per_step])
 
-        out = call(schedule.padded_out_peers, tf.int32, [schedule.peers_per_step])(step)
-        return out, call(schedule.in_counts, tf.int64, [schedule.num_workers])
+        def in_counts(s):
+            with tf.control_dependencies([out]):
+                value = tf.py_function(lambda k: plans.in_counts(int(k)), [s], tf.int64)
+            value.set_shape([schedule.num_workers])
+            return value
+
+        return out, in_counts
 
     def _gossip(self, variables):
         self._layout(variables)
@@ -388,6 +399,8 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
         node, num_workers = self._node, self._node.num_workers
         steps = int(self._step.numpy())
         others = [r for r in range(num_workers) if r != node.rank]
+        if self._plans is not None:  # first: a peer that took the END waits for no plan
+            self._plans.end(steps)
         node.send(tf.constant(others), protocol.control(protocol.END, node.rank, steps,
                                                         node.size))
         weight = self._weight.numpy()

@@ -70,9 +70,11 @@ class Schedule:
         `(step, rank, num_workers) -> list of out-peers` giving between 1 and
         `peers_per_step` distinct ranks other than `rank` (a worker with p out-peers at a
         step keeps 1/(p+1) of its parameters and weight and sends 1/(p+1) to each).
-        Every worker calls it for every sender (a receiver recomputes whom the others send
-        to, and waits for those messages), so it must give the same answer for the same
-        `(step, rank)` on every worker. A callable that has a parameter `seed` is called
+        Each worker calls it for its own rank and follows its answers, which it announces
+        to the others (`tfdist.gossip.plans`): a receiver waits only for what its senders
+        announced. It must still give the same answer for the same `(step, rank)` on every
+        worker, or the workers make another graph than the one it describes (a random ring
+        drawn on each worker alone is no ring). A callable that has a parameter `seed` is called
         with `seed=`, an integer derived from the step alone (the same for every rank at a
         step, another at each step: `np.random.default_rng(seed)` draws, say, one random
         permutation per step that every rank sees). A callable may also draw from Python's
@@ -158,9 +160,9 @@ class Schedule:
                         f"`graph` ({self.graph_name()}) gave {first} then {again} for "
                         f"step={step}, rank={rank}: it must give the same out-peers every time "
                         "it is called with the same step and rank, on every worker (each "
-                        "worker calls it for every sender to know whose messages to wait "
-                        "for: another answer leaves a worker waiting for a message that is "
-                        "never sent). Draw from the `seed` argument it is given when it "
+                        "worker follows its own answers: answers that differ make another "
+                        "graph than the one it describes, a random ring drawn on each worker "
+                        "alone is no ring). Draw from the `seed` argument it is given when it "
                         "takes one (the same at a step on every worker), or from Python's "
                         "`random` or NumPy's global generator (seeded for each call), or "
                         "derive the peers from step and rank alone")
@@ -193,8 +195,8 @@ class Schedule:
 
 def check_agreement(schedule, names, rank, digests):
     """Raises if another worker's `digests` (`{rank: Schedule.digests(n)}`) differ from this
-    worker's: their graph functions answer differently, and a worker would wait for a
-    message that is never sent.
+    worker's: their graph functions answer differently, and the workers, each following
+    its own answers, would make another graph than the function describes.
 
     Raises:
       ValueError: naming the graph, both workers, the first step that differs and this
@@ -211,8 +213,8 @@ def check_agreement(schedule, names, rank, digests):
                 f"than on {names[rank]} at step {step} (on {names[rank]}: "
                 f"{schedule._step_table(step).tolist()}, rank by rank, -1 for no peer; "
                 f"the first {len(theirs)} steps are compared before the first step): it must "
-                "give the same out-peers for the same step and rank on every worker, or a "
-                "worker waits for a message that is never sent. Derive them from step, rank "
+                "give the same out-peers for the same step and rank on every worker, or the "
+                "workers make another graph than it describes. Derive them from step, rank "
                 "and the `seed` argument (or Python's `random` / NumPy's global generator, "
                 "seeded for each call), not from the process, the host or the time")
 

@@ -3,10 +3,11 @@
 The worker's TF server is started through its own eager context, knowing only its own task
 (as a ps task's is, `tfdist.launch.server`): it hosts the worker's `outbox` and one `inbox` per
 peer, and peers' couriers enqueue there. Its courier (`tfdist.gossip.courier`) is a child
-process that forwards the outbox. A watcher thread checks that every peer still accepts
-connections; one that has refused them for `peer_timeout` seconds (or a dead courier) is
-reported with a `DEAD` message in every inbox, so that a step or a `join` waiting for a
-message fails with the peer's name instead of waiting for ever.
+process that forwards the outbox. A watcher thread probes the peers at once
+(`tfdist.cluster.liveness`): one that has refused connections for `peer_timeout` seconds, or
+not answered an RPC for `stall_timeout` (or a dead courier), is reported with a `DEAD`
+message in every inbox, so that a step or a `join` waiting for a message fails with the
+peer's name instead of waiting for ever.
 """
 
 import functools
@@ -16,7 +17,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import tensorflow as tf
@@ -27,11 +27,10 @@ from tfdist._worker import compute_device
 from tfdist.cluster import is_listening
 from tfdist.cluster import pick_free_ports
 from tfdist.cluster import wait_for_tasks
+from tfdist.cluster.liveness import Liveness
+from tfdist.cluster.liveness import Target
 from tfdist.cluster.network import DEFAULT_STALL_TIMEOUT
-from tfdist.cluster.probe import ANSWERED
-from tfdist.cluster.probe import GONE
 from tfdist.cluster.probe import PROBE_TIMEOUT
-from tfdist.cluster.probe import STALLED
 from tfdist.cluster.probe import ServerProbe
 from tfdist.gossip import protocol
 
@@ -125,6 +124,7 @@ class GossipNode:
         with tf.init_scope():
             self.inboxes = {s: protocol.inbox_queue(self.host_device, s, size)
                             for s in range(self.num_workers) if s != self.rank}
+            self.plans = {s: protocol.plan_queue(self.host_device, s) for s in self.inboxes}
         self.size = size
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="sgp-watcher")
         self._watcher.start()
@@ -134,6 +134,19 @@ class GossipNode:
         with tf.device(self.host_device):
             return tf.raw_ops.QueueEnqueueV2(handle=self.outbox,
                                              components=[tf.cast(peers, tf.int32), message])
+
+    def send_plan(self, kind, value, peers):
+        """Sends a plan (`tfdist.gossip.plans`) to every peer (eagerly)."""
+        others = [protocol.PLAN] + [r for r in range(self.num_workers) if r != self.rank]
+        with tf.init_scope():
+            self.send(tf.constant(others), protocol.pack_plan(kind, value, peers))
+
+    def take_plan(self, sender):
+        """The next plan from `sender` (eagerly, waiting for it): `(kind, value, peers)`."""
+        with tf.init_scope(), tf.device(self.host_device):
+            plan = tf.raw_ops.QueueDequeueV2(handle=self.plans[sender],
+                                             component_types=[tf.float32])[0]
+        return protocol.unpack_plan(plan)
 
     def take(self, needed, greedy, skip):
         """Takes, from each sender s, `needed[s]` messages (waiting for them), and with
@@ -190,10 +203,11 @@ class GossipNode:
 
     def _watch(self):
         """Every half second: the courier is alive, and each peer whose messages this worker
-        still waits for answers an RPC. One that refuses connections for `peer_timeout`, or
-        accepts them but does not answer for `stall_timeout`, is reported dead."""
-        probe = ServerProbe(timeout=min(PROBE_TIMEOUT, self.stall_timeout))
-        silent_since = {}
+        still waits for answers an RPC (all probed at once, `tfdist.cluster.liveness`). One
+        that refuses connections for `peer_timeout`, or accepts them but does not answer for
+        `stall_timeout`, is reported dead."""
+        liveness = Liveness(self.stall_timeout, gone_timeout=self.peer_timeout,
+                            probe=ServerProbe(timeout=min(PROBE_TIMEOUT, self.stall_timeout)))
         try:
             while not self._stop.wait(0.5):
                 if self.courier.poll() is not None:
@@ -201,26 +215,16 @@ class GossipNode:
                     return
                 with self._lock:
                     peers = sorted(self.expected)
-                for peer in peers:
-                    answer = probe(self.addresses[peer], self.names[peer])
-                    now = time.monotonic()
-                    if answer == ANSWERED:
-                        silent_since.pop(peer, None)
-                        continue
-                    silent = now - silent_since.setdefault(peer, now)
-                    if silent < (self.peer_timeout if answer == GONE else self.stall_timeout):
-                        continue
-                    with self._lock:
-                        still_expected = peer in self.expected
-                    if still_expected:
-                        self._why[peer] = (
-                            f"no answer for {silent:.0f} s, stall_timeout="
-                            f"{self.stall_timeout:g} s; {probe.errors.get(self.addresses[peer])}"
-                            if answer == STALLED else "nothing accepts connections there")
-                        self._report(peer)
-                        return
+                found = liveness.check({peer: Target(self.addresses[peer], self.names[peer])
+                                        for peer in peers})
+                with self._lock:
+                    found = [dead for dead in found if dead.key in self.expected]
+                if found:
+                    self._why[found[0].key] = found[0].why
+                    self._report(found[0].key)
+                    return
         finally:
-            probe.close()
+            liveness.close()
 
     def _blame_for_courier(self):
         """Who to name when the courier exited: a peer it was to reach that does not listen
@@ -238,9 +242,11 @@ class GossipNode:
         self.reported = dead
         log.error("%s", self.dead_message(dead))
         poison = protocol.control(protocol.DEAD, self.rank, dead, self.size)
-        for queue in self.inboxes.values():
+        plan = protocol.pack_plan(protocol.PLAN_DEAD, dead, [])
+        for sender, queue in self.inboxes.items():
             with tf.device(self.host_device):
                 tf.raw_ops.QueueEnqueueV2(handle=queue, components=[poison])
+                tf.raw_ops.QueueEnqueueV2(handle=self.plans[sender], components=[plan])
 
     # Ending ------------------------------------------------------------------------------
 

@@ -6,6 +6,9 @@ Every worker's TF server holds, in container `tfdistsgp`:
   `(out-peers int32 [p], message float32 [L])`;
 * `inbox/{sender}`: one FIFO queue per other worker, messages float32 `[L]`. A sender's
   messages arrive in the order it sent them, so a receiver knows which step each one is from.
+* `plan/{sender}`: under a callable graph, the sender's plans (`tfdist.gossip.plans`): int64
+  `[kind, value, out-peers...]` as float32 pairs; an outbox entry whose out-peers start
+  with `PLAN` goes there.
 
 A message is one float32 vector (one tensor per message: the per-message overhead, not the
 bytes, dominates a small model): three int64 words as the float32 pairs of their bits (`tag`,
@@ -29,6 +32,11 @@ OUTBOX = "outbox"
 # STOP: the courier's last entry; SCHEDULE: a callable graph's digests of its first `info`
 # steps (`tfdist.gossip.graphs.check_agreement`), the first message of every sender.
 DEAD, END, AVERAGE, STOP, LOCAL, SCHEDULE = -2, -3, -4, -5, -6, -7
+# Plans: an outbox entry `([PLAN, peer, ...], plan)`; a plan's kind: PLAN_PEERS (`value`:
+# the chunk, then its out-peers step by step), PLAN_END (`value`: the sender's step count
+# when it ended), PLAN_DEAD (`value`: the rank that stopped answering, as DEAD's `info`).
+PLAN = -8
+PLAN_PEERS, PLAN_END, PLAN_DEAD = 0, 1, 2
 HEAD = 7  # 3 int64 words (6 floats) and the weight
 WEIGHT = 6
 
@@ -53,6 +61,29 @@ def inbox_queue(device, sender, size):
         return tf.raw_ops.FIFOQueueV2(component_types=[tf.float32], shapes=[[size]],
                                       capacity=-1, container=CONTAINER,
                                       shared_name=inbox_name(sender))
+
+
+def plan_name(sender):
+    return f"plan/{sender}"
+
+
+def plan_queue(device, sender):
+    """The handle of the plan queue of the worker on `device` for plans from `sender`."""
+    with tf.device(device):
+        return tf.raw_ops.FIFOQueueV2(component_types=[tf.float32], shapes=[], capacity=-1,
+                                      container=CONTAINER, shared_name=plan_name(sender))
+
+
+def pack_plan(kind, value, peers):
+    """A plan: float32, the bits of int64 `[kind, value, *peers]`."""
+    return ints_as_floats(tf.concat([tf.constant([kind, value], tf.int64),
+                                     tf.reshape(tf.cast(peers, tf.int64), [-1])], 0))
+
+
+def unpack_plan(plan):
+    """`(kind, value, peers int64 numpy)` of a plan (eager)."""
+    words = floats_as_ints(plan).numpy()
+    return int(words[0]), int(words[1]), words[2:]
 
 
 def outbox_queue(device):

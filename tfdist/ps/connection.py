@@ -11,6 +11,8 @@ from tfdist._worker import compute_device
 from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import as_cluster_config
 from tfdist.cluster import wait_for_tasks
+from tfdist.cluster.liveness import Liveness
+from tfdist.cluster.liveness import Target
 from tfdist.cluster.probe import ANSWERED
 from tfdist.cluster.probe import ProbePool
 from tfdist.cluster.probe import ServerProbe
@@ -137,7 +139,7 @@ class PSWatchdog:
     (nothing accepts the connection), but one that is stopped (SIGSTOP, a hung machine:
     its port still accepts connections) leaves every one waiting for ever, the worker's
     step, its `join()`, its exit. The watchdog probes every ps task's server with an RPC
-    (`ServerProbe`, as a ps probes its workers), and once one has not answered for
+    (`tfdist.cluster.liveness`, as a ps probes its workers), and once one has not answered for
     `stall_timeout` seconds it calls `on_stall([(name, address, why)])` from its thread,
     which ends the process with an error naming the task.
 
@@ -166,10 +168,8 @@ class PSWatchdog:
         self.stall_timeout = stall_timeout
         self.on_stall = on_stall
         self.interval = min(1.0, stall_timeout / 4) if interval is None else interval
-        self._probes = ProbePool(probe or ServerProbe())
-        self._clock = clock or time.monotonic
-        self._heard = {}
-        self._last_round = None
+        # A killed ps fails the worker's next op at once: only the stall rule counts here.
+        self.liveness = Liveness(stall_timeout, probe=probe, clock=clock)
         self._stopped = threading.Event()
         self._thread = None
         self._fuse = LastWordFuse() if fuse else None
@@ -178,7 +178,7 @@ class PSWatchdog:
     def fuse_seconds(self):
         """Seconds without a round after which the fuse ends the process: the stall
         timeout, and two rounds with probes that take their whole deadline."""
-        return self.stall_timeout + 2 * (self.interval + self._probes.probe.timeout)
+        return self.stall_timeout + 2 * (self.interval + self.liveness.probe.timeout)
 
     def start(self):
         self._thread = threading.Thread(target=self._watch, name="tfdist-ps-watchdog",
@@ -194,19 +194,10 @@ class PSWatchdog:
     def poll(self):
         """Probes every ps task once; returns `[(name, address, why)]` of those that have not
         answered for more than `stall_timeout`."""
-        answers = self._probes(self.targets)
-        now = self._clock()
-        stalled = []
-        for (address, name), answer in zip(self.targets, answers):
-            heard = self._heard.setdefault(address, now)
-            if answer == ANSWERED:
-                self._heard[address] = now
-            elif now - heard > self.stall_timeout:
-                stalled.append((name, address, (
-                    f"no answer for {now - heard:.0f} s, stall_timeout="
-                    f"{self.stall_timeout:g} s; {self._probes.probe.errors.get(address, '')}")))
-        self._last_round = now
-        return stalled
+        found = self.liveness.check({address: Target(address, name)
+                                     for address, name in self.targets})
+        names = dict(self.targets)
+        return [(names[dead.key], dead.key, dead.why) for dead in found]
 
     def last_word(self, named=None):
         """The error the fuse writes if no round comes any more and a ps task does not answer
@@ -215,7 +206,7 @@ class PSWatchdog:
         did)."""
         if named is None:
             silent = [(address, name) for address, name in self.targets
-                      if self._heard.get(address) != self._last_round]
+                      if not self.liveness.answered_last_round(address)]
             named = " or ".join(f"{name} at {address}"
                                 for address, name in silent or self.targets)
         return (f"tfdist: {named} stopped answering ({self.task}'s Python threads have not run "
@@ -241,4 +232,4 @@ class PSWatchdog:
         finally:
             if self._fuse is not None:
                 self._fuse.close()
-            self._probes.close()
+            self.liveness.close()

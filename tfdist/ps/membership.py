@@ -3,21 +3,19 @@
 Each worker rank of a run is expected (not seen yet), live (training), left or died; the
 run's progress vector shows it to every worker. A run ends when its policy needs no more
 pushes from the live ones. The `LivenessWatcher` of a ps task probes the servers of the
-current run's workers with an RPC (`ServerProbe`) and tells the run of those that went
-away, stopped answering, or never came.
+current run's workers with an RPC (`tfdist.cluster.liveness`) and tells the run of those
+that went away, stopped answering, or never came.
 """
 
 import logging
 import threading
-import time
 
 import tensorflow as tf
 
-from tfdist.cluster.probe import ANSWERED
-from tfdist.cluster.probe import GONE
+from tfdist.cluster.liveness import Liveness
+from tfdist.cluster.liveness import Target
+from tfdist.cluster.network import DEFAULT_STALL_TIMEOUT
 from tfdist.cluster.probe import STALLED
-from tfdist.cluster.probe import ProbePool
-from tfdist.cluster.probe import ServerProbe
 from tfdist.ps import protocol
 from tfdist.ps import wire
 from tfdist.ps.protocol import DIED
@@ -175,14 +173,14 @@ def check_rank(rank, num_workers, kind):
 class LivenessWatcher:
     """Finds workers that went away, stopped answering, or never came, and tells their run.
 
-    Each round probes the server of every worker of the current run (`ServerProbe`). A
-    worker that has joined, or whose server was seen, is dead after `misses_to_dead` probes
-    in a row found nothing listening at its address (a killed process), or once it has not
-    answered for the run's `stall_timeout` (`ShardSpec.stall_timeout`: the job's strategy
-    argument) while its port accepts connections (a stopped process, a hung machine); one
-    whose server never answered is dead `init_timeout` after the run started. A slow worker
-    is never cut off: its server's RPC threads answer while its training thread computes or
-    waits.
+    Each round probes the servers of every worker of the current run at once
+    (`tfdist.cluster.liveness.Liveness`). A worker that has joined, or whose server was
+    seen, is dead after `misses_to_dead` probes in a row found nothing listening at its
+    address (a killed process), or once it has not answered for the run's `stall_timeout`
+    (`ShardSpec.stall_timeout`: the job's strategy argument) while its port accepts
+    connections (a stopped process, a hung machine); one whose server never answered is
+    dead `init_timeout` after the run started. A slow worker is never cut off: its server's
+    RPC threads answer while its training thread computes or waits.
 
     Args:
       current_run: a function returning the service's current run (or None): it has
@@ -200,12 +198,10 @@ class LivenessWatcher:
     def __init__(self, current_run, interval, misses_to_dead, probe=None, clock=None):
         self.current_run = current_run
         self.interval = interval
-        self.misses_to_dead = misses_to_dead
-        self.probe = probe or ServerProbe()
-        self._probes = ProbePool(self.probe)
-        self._clock = clock or time.monotonic
+        self.liveness = Liveness(DEFAULT_STALL_TIMEOUT, misses_to_dead=misses_to_dead,
+                                 probe=probe, clock=clock)
+        self.probe = self.liveness.probe
         self.stopped = threading.Event()
-        self._misses, self._heard, self._seen, self._told = {}, {}, set(), set()
 
     def watch(self):
         try:
@@ -216,56 +212,28 @@ class LivenessWatcher:
 
     def close(self):
         """Stops the probing threads and closes the probe's sessions."""
-        self._probes.close()
-
-    def _answers(self, run, ranks):
-        """`{rank: answer}`, the workers probed at once."""
-        spec = run.spec
-        return dict(zip(ranks, self._probes(
-            [(spec.worker_addresses[r], spec.worker_tasks[r]) for r in ranks])))
+        self.liveness.close()
 
     def poll(self):
         """Probes the workers of the current run once; tells the run of the dead ones."""
         run = self.current_run()
         if run is None or run.finished.is_set():
             return
-        statuses = list(run.members.status)
+        spec, statuses = run.spec, list(run.members.status)
+        targets = {}
         for rank, status in enumerate(statuses):
             if status not in _IN_RUN:
-                key = (run.run, rank)
-                for table in (self._misses, self._heard):
-                    table.pop(key, None)
-                self._told.discard(key)
-        answers = self._answers(run, [r for r, s in enumerate(statuses) if s in _IN_RUN])
-        now = self._clock()
-        for rank, answer in answers.items():
-            key, status = (run.run, rank), statuses[rank]
-            address = run.spec.worker_addresses[rank]
-            if answer == ANSWERED:
-                self._misses[key] = 0
-                self._heard[key] = now
-                self._seen.add(key)
+                self.liveness.forget((run.run, rank))
                 continue
-            heard = self._heard.setdefault(key, now)
-            if answer == GONE:
-                self._misses[key] = self._misses.get(key, 0) + 1
-            if key in self._told:
-                continue
-            if status == LIVE or key in self._seen:
-                dead = (self._misses.get(key, 0) >= self.misses_to_dead if answer == GONE
-                        else now - heard > run.spec.stall_timeout)
-            else:
-                dead = now - run.created > run.spec.init_timeout
-            if not dead:
-                continue
-            self._told.add(key)
-            if answer == STALLED:
-                stall = (f"no answer for {now - heard:.0f} s, stall_timeout="
-                         f"{run.spec.stall_timeout:g} s; "
-                         f"{self.probe.errors.get(address, '')}")
-                run.stalls[rank] = stall
+            came_by = None if status == LIVE else run.created + spec.init_timeout
+            targets[(run.run, rank)] = Target(spec.worker_addresses[rank],
+                                              spec.worker_tasks[rank], came_by)
+        for dead in self.liveness.check(targets, stall_timeout=spec.stall_timeout):
+            rank = dead.key[1]
+            if dead.answer == STALLED:
+                run.stalls[rank] = dead.why
                 log.warning("tfdist: %s at %s stopped answering (%s): treated as dead",
-                            run.spec.worker_tasks[rank], address, stall)
+                            spec.worker_tasks[rank], spec.worker_addresses[rank], dead.why)
             try:
                 run.send_control(protocol.DEAD, rank)
             except tf.errors.OpError:

@@ -39,9 +39,11 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
         i + 2^(k mod L) mod M, L = ceil(log2 M), and with p peers per step the next p hops),
         "ring" (i sends to i + 1, ..., i + p), or a callable
         `(step, rank, num_workers) -> list of out-peers` (between 1 and `peers_per_step`
-        distinct other ranks; called from the step through `tf.py_function`). Every
-        worker calls it for every sender, to know whose messages to wait for, so it must
-        answer the same for the same `(step, rank)` everywhere. A callable with a
+        distinct other ranks; called from the step through `tf.py_function`). Each
+        worker calls it for its own rank and announces its answers to the others, 32 steps
+        at a time (a receiver waits only for what was announced); it must answer the same
+        for the same `(step, rank)` everywhere, or the workers make another graph than the
+        one it describes. A callable with a
         parameter `seed` is called with `seed=`, the same at a step on every worker and for
         every rank (`np.random.default_rng(seed)`); each call also runs with Python's
         `random` and NumPy's global generator seeded from `(step, rank)`. A callable that
@@ -73,7 +75,8 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
         cut off). None: the `TFDIST_STALL_TIMEOUT` that `tfdist-launch --stall_timeout`
         exports, else 60.
       inter_op_threads: inter-op threads of this worker's TF executor (one more is added
-        for the courier's waiting dequeue).
+        for the courier's waiting dequeue, and with a callable `graph` one for the wait for
+        the peers' plans).
 
     Raises:
       ValueError: an argument out of range (the message names it), a cluster with ps tasks
