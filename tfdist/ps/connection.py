@@ -12,6 +12,7 @@ from tfdist.cluster import TaskUnreachableError
 from tfdist.cluster import as_cluster_config
 from tfdist.cluster import wait_for_tasks
 from tfdist.cluster.probe import ANSWERED
+from tfdist.cluster.probe import RESTARTED
 from tfdist.cluster.probe import ProbePool
 from tfdist.cluster.probe import ServerProbe
 
@@ -141,6 +142,15 @@ class PSWatchdog:
     `stall_timeout` seconds it calls `on_stall([(name, address, why)])` from its thread,
     which ends the process with an error naming the task.
 
+    A ps task replaced by a new, empty process (restarted by hand or by its scheduler) answers
+    the probe, but not in the session the probe had on the old one (`RESTARTED`): its shard,
+    which this worker's run was using, is gone. The watchdog then calls
+    `on_restart([(name, address, why)])` at once (the worker's next op there would fail with
+    TensorFlow's bare NotFound). The probe's first session on each ps task is made in its
+    first round, after the worker's hellos in all but a slow start: a ps task replaced
+    between a hello and that round is not seen (the run's own check, when the chief joins,
+    still is).
+
     Its thread cannot run while another holds Python's lock in a call that waits on the
     stopped ps (TensorFlow registers each newly traced function on the ps tasks, and waits
     for them, holding it). So each round also re-arms a `LastWordFuse`: if no round comes
@@ -153,20 +163,23 @@ class PSWatchdog:
       connection: the worker's `PSConnection`.
       stall_timeout: seconds a ps task may go without answering.
       on_stall: called once, with the tasks that stopped answering.
+      on_restart: called once, with the tasks replaced by a new process (None: `on_stall`).
       interval: seconds between rounds of probes (None: a quarter of `stall_timeout`, at
         most 1).
       probe, clock: for tests (a `ServerProbe`, `time.monotonic`).
       fuse: for tests: False runs without a `LastWordFuse`.
     """
 
-    def __init__(self, connection, stall_timeout, on_stall, interval=None, probe=None,
-                 clock=None, fuse=True):
+    def __init__(self, connection, stall_timeout, on_stall, on_restart=None, interval=None,
+                 probe=None, clock=None, fuse=True):
         self.targets = list(zip(connection.ps_addresses, connection.ps_names))
         self.task = getattr(connection, "task_name", "this worker")
         self.stall_timeout = stall_timeout
         self.on_stall = on_stall
+        self.on_restart = on_restart or on_stall
+        self.restarted = {}  # address: (name, address, why) of a ps task found replaced
         self.interval = min(1.0, stall_timeout / 4) if interval is None else interval
-        self._probes = ProbePool(probe or ServerProbe())
+        self._probes = ProbePool(probe or ServerProbe(report_restarts=True))
         self._clock = clock or time.monotonic
         self._heard = {}
         self._last_round = None
@@ -193,13 +206,16 @@ class PSWatchdog:
 
     def poll(self):
         """Probes every ps task once; returns `[(name, address, why)]` of those that have not
-        answered for more than `stall_timeout`."""
+        answered for more than `stall_timeout` (those found replaced go to `restarted`)."""
         answers = self._probes(self.targets)
         now = self._clock()
         stalled = []
         for (address, name), answer in zip(self.targets, answers):
             heard = self._heard.setdefault(address, now)
-            if answer == ANSWERED:
+            if answer == RESTARTED:
+                self.restarted.setdefault(
+                    address, (name, address, self._probes.probe.errors.get(address, "")))
+            if answer in (ANSWERED, RESTARTED):
                 self._heard[address] = now
             elif now - heard > self.stall_timeout:
                 stalled.append((name, address, (
@@ -207,6 +223,12 @@ class PSWatchdog:
                     f"{self.stall_timeout:g} s; {self._probes.probe.errors.get(address, '')}")))
         self._last_round = now
         return stalled
+
+    def replaced(self):
+        """`[(name, address, why)]` of the ps tasks found replaced by a new process, after
+        probing each once more (a worker whose op on one failed asks why)."""
+        self.poll()
+        return list(self.restarted.values())
 
     def last_word(self, named=None):
         """The error the fuse writes if no round comes any more and a ps task does not answer
@@ -230,6 +252,9 @@ class PSWatchdog:
                 stalled = self.poll()
                 if self._stopped.is_set():
                     break
+                if self.restarted:
+                    self.on_restart(list(self.restarted.values()))
+                    return
                 if stalled:
                     self.on_stall(stalled)
                     return
