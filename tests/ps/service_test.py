@@ -331,8 +331,16 @@ class RunOwnershipTest(tf.test.TestCase):
         watcher idle: the workers here have no servers)."""
         service = PSService(types.SimpleNamespace(task_index=index), liveness_interval=3600,
                             device=device).start()
-        self.addCleanup(service.stop)
+        self.addCleanup(self.end, service)
         return service
+
+    def end(self, service):
+        """Stops `service`'s threads, and waits for them: the control queue of its device
+        outlives it, and the next test's service must be the only one reading it."""
+        service.stop()
+        for thread in service._threads:
+            thread.join(120)  # a bound against a hang
+            self.assertFalse(thread.is_alive())
 
     def clients(self, rank, services):
         """Worker `rank`'s `ShardClient` of each ps task of `services`."""
@@ -350,10 +358,11 @@ class RunOwnershipTest(tf.test.TestCase):
     def replaced(self):
         """ps:0 holds job 1's run in progress (`THREE_WORKERS`); ps:1 was restarted: empty.
         Returns the two services, serving."""
-        ps0 = PSService(types.SimpleNamespace(task_index=0), device=TWO_DEVICES[0])
+        ps0 = PSService(types.SimpleNamespace(task_index=0), liveness_interval=3600,
+                        device=TWO_DEVICES[0])
         self.start_run(ps0, "job-1", shard=0, **THREE_WORKERS)
-        ps0.start()
-        self.addCleanup(ps0.stop)
+        ps0.start()  # (its liveness watcher idle, as `serving`'s)
+        self.addCleanup(self.end, ps0)
         return ps0, self.serving(1, TWO_DEVICES[1])
 
     def test_workers_finding_a_replaced_ps_are_refused_or_told_at_once(self):
