@@ -334,6 +334,15 @@ class RunOwnershipTest(tf.test.TestCase):
         self.addCleanup(self.end, service)
         return service
 
+    def serves(self, run, ranks):
+        """Waits until `run` serves: the replies to the SYNCs `ranks` sent. (Its thread
+        starts serving with eager ops, which once failed under load while another thread
+        of the process ran its own: a shape-mismatched `progress` assign.)"""
+        for rank in ranks:
+            with tf.device(run.device):
+                tf.raw_ops.QueueDequeueV2(handle=run.reply_queues[rank],
+                                          component_types=wire.REPLY_DTYPES)
+
     def end(self, service):
         """Stops `service`'s threads, and waits for them: the control queue of its device
         outlives it, and the next test's service must be the only one reading it."""
@@ -360,7 +369,7 @@ class RunOwnershipTest(tf.test.TestCase):
         Returns the two services, serving."""
         ps0 = PSService(types.SimpleNamespace(task_index=0), liveness_interval=3600,
                         device=TWO_DEVICES[0])
-        self.start_run(ps0, "job-1", shard=0, **THREE_WORKERS)
+        self.serves(self.start_run(ps0, "job-1", shard=0, **THREE_WORKERS), ranks=(0, 1))
         ps0.start()  # (its liveness watcher idle, as `serving`'s)
         self.addCleanup(self.end, ps0)
         return ps0, self.serving(1, TWO_DEVICES[1])
@@ -427,6 +436,8 @@ class RunOwnershipTest(tf.test.TestCase):
             with tf.device(service.device):
                 for master in service.current.masters.values():
                     master.assign(tf.zeros(master.shape, master.dtype))
+            service.current.send_control(protocol.SYNC, 0)
+            self.serves(service.current, ranks=(0,))
         answers = agree_on_one_run(worker1, first + self.say_hello(worker1[1:]), "job-1")
         self.assertEqual([(a["initialized"], a["chief"]) for a in answers],
                          [(True, True), (True, True)])
