@@ -4,7 +4,8 @@
 training task starts its own (its eager context connected to a cluster), whose main thread
 computes in Python the whole time: it answers; stopped with SIGSTOP it does not (its port
 still accepts connections), and a probe returns by its deadline; resumed it answers again;
-restarted on the same port it answers; killed, nothing listens. Cost: two child processes,
+restarted on the same port it answers (a probe that reports restarts says so, once);
+killed, nothing listens. Cost: two child processes,
 one after the other (about 5 s each on an idle 2-core machine, most of it importing
 TensorFlow; 40 s at nice 19 on a loaded one, load average 7-15).
 
@@ -27,6 +28,7 @@ import tensorflow as tf
 from tfdist.cluster import pick_free_ports
 from tfdist.cluster.probe import ANSWERED
 from tfdist.cluster.probe import GONE
+from tfdist.cluster.probe import RESTARTED
 from tfdist.cluster.probe import STALLED
 from tfdist.cluster.probe import ServerProbe
 from tfdist.ps import protocol
@@ -95,8 +97,12 @@ class ServerProbeTest(tf.test.TestCase):
         address = f"localhost:{pick_free_ports(1)[0]}"
         probe = ServerProbe(timeout=1.0)
         self.addCleanup(probe.close)
+        # A worker's watchdog tells a replaced ps task from a live one.
+        reporting = ServerProbe(timeout=1.0, report_restarts=True)
+        self.addCleanup(reporting.close)
         child = self.start_child(address)
         self.assertEqual(probe(address, TASK), ANSWERED)  # creates a session there
+        self.assertEqual(reporting(address, TASK), ANSWERED)
         self.assertEqual(probe(address, TASK), ANSWERED)  # asks that session
 
         os.kill(child.pid, signal.SIGSTOP)
@@ -117,6 +123,9 @@ class ServerProbeTest(tf.test.TestCase):
         child = self.start_child(address)
         self.assertEqual(probe(address, TASK), ANSWERED)
         self.assertEqual(probe(address, TASK), ANSWERED)
+        self.assertEqual(reporting(address, TASK), RESTARTED)
+        self.assertIn("a new process answers there", reporting.errors[address])
+        self.assertEqual(reporting(address, TASK), ANSWERED)  # its new session there
 
         child.kill()
         child.wait()
@@ -299,6 +308,28 @@ class PSWatchdogTest(tf.test.TestCase):
         self.assertFalse(watchdog._thread.is_alive())
         self.assertLen(self.ended, 1)
         self.assertEqual([task for task, _, _ in self.ended[0]], ["/job:ps/task:0"])
+
+    def test_a_ps_replaced_by_a_new_process_is_named_at_once(self):
+        # A ps task restarted under a run answers the probe, but not in its session there:
+        # its shard is gone. Named in the next round, not after stall_timeout; the thread
+        # calls on_restart once (a worker whose op failed there asks `replaced()` too).
+        watchdog = self.watchdog(stall_timeout=HANG_BOUND)
+        self.assertEqual(watchdog.poll(), [])
+        self.probe.answers["ps1:1"] = RESTARTED
+        self.probe.errors["ps1:1"] = "a new process answers there"
+        self.assertEqual(watchdog.poll(), [])  # not stalled: it answers
+        self.assertEqual(watchdog.replaced(),
+                         [("/job:ps/task:1", "ps1:1", "a new process answers there")])
+        restarted = []
+        watchdog.on_restart = restarted.append
+        watchdog._clock = time.monotonic
+        watchdog.interval = 0.05
+        watchdog.start()
+        watchdog._thread.join(HANG_BOUND)
+        self.assertFalse(watchdog._thread.is_alive())
+        self.assertEqual(restarted, [[("/job:ps/task:1", "ps1:1",
+                                       "a new process answers there")]])
+        self.assertEqual(self.ended, [])  # on_stall was not called
 
     def test_stop_ends_its_thread(self):
         # A worker that left its run stops watching: its thread ends, nothing is called.

@@ -13,12 +13,14 @@ import tensorflow as tf
 from tfdist.cluster import ClusterConfig
 from tfdist.ps import protocol
 from tfdist.ps import wire
+from tfdist.ps.admission import refused_import
 from tfdist.ps.client import RunError
+from tfdist.ps.client import ShardClient
+from tfdist.ps.client import agree_on_one_run
 from tfdist.ps.client import check_one_run
 from tfdist.ps.membership import BadControlMessage
 from tfdist.ps.membership import control_message
 from tfdist.ps.service import PSService
-from tfdist.ps.service import refused_import
 from tfdist.ps.spec import ShardSpec
 from tfdist.ps.worker import job_id
 
@@ -45,6 +47,12 @@ def spec(**fields):
     return ShardSpec(**{**base, **fields})
 
 
+# The fields of the spec of a job of 3 workers and 2 ps tasks.
+THREE_WORKERS = dict(num_ps=2, num_workers=3,
+                     worker_tasks=[f"/job:worker/task:{r}" for r in range(3)],
+                     worker_addresses=[f"localhost:{r + 1}" for r in range(3)])
+
+
 def hello(rank=0, job=None, nonce=None, **fields):
     """A hello of worker `rank`; `job`: the job id its spec carries."""
     sent = spec(**fields).to_json()
@@ -62,8 +70,10 @@ class ControlMessageTest(tf.test.TestCase):
                 ("{not json", r"not JSON .*Received: '\{not json'"),
                 ("[1, 2]", r"not a JSON object but a list"),
                 ('"hello"', r"not a JSON object but a str"),
-                ('{"rank": 0}', r"`type` must be one of \['absent', 'hello', 'stop'\]. "
-                                r"Received: type=None"),
+                ('{"rank": 0}', r"`type` must be one of \['absent', 'hello', 'refused', "
+                                r"'stop'\]. Received: type=None"),
+                ('{"type": "refused", "rank": 1, "run": "r"}', r"a refused message needs a "
+                                                               r"`error` field"),
                 ('{"type": "bye"}', r"Received: type='bye'"),
                 ('{"type": "absent"}', r"an absent message needs a `rank` field"),
                 ('{"type": "absent", "rank": "1"}', r"`rank` of an absent message must be an "
@@ -230,20 +240,25 @@ class RunOwnershipTest(tf.test.TestCase):
             run.send_control(protocol.STOP, 0)
         self.assertTrue(run.finished.wait(120))  # a bound against a hang
 
-    def test_a_chief_back_after_its_run_finished_takes_its_final_weights(self):
+    def hand_over(self):
+        """Job 1's run; the chief dies, worker 1 trains on, finishes and leaves: the run has
+        ended. Its scheduler starts the chief again, which says hello. Returns `(service,
+        run, the chief's answer, the warnings its hello logged)`."""
         service = PSService(types.SimpleNamespace(task_index=0), device=DEVICE)
         run = self.start_run(service, "job-1")
-        # The chief dies; worker 1 trains on, finishes and leaves: the run has ended.
         with self.assertLogs("tfdist", "WARNING"):
             run.send_control(protocol.DEAD, 0)
             run.send_control(protocol.LEAVE, 1)
             self.assertTrue(run.finished.wait(120))  # a bound against a hang
         self.assertIsNone(run.failure)
-        # Its scheduler starts the chief again: it is told the run finished, and takes its
-        # final weights; nothing is initialised or torn down.
         with self.assertLogs("tfdist", "WARNING") as logs:
             service.handle_control(hello(rank=0, job="job-1", nonce="again"))
-        answer = self.answer(service, 0)
+        return service, run, self.answer(service, 0), logs
+
+    def test_a_chief_back_after_its_run_finished_takes_its_final_weights(self):
+        # The chief is told the run finished, and takes its final weights; nothing is
+        # initialised or torn down.
+        service, run, answer, logs = self.hand_over()
         self.assertFalse(answer["initialize"])
         self.assertTrue(answer["finished"])
         self.assertEqual((answer["run"], answer["job"]), (run.run, "job-1"))
@@ -310,3 +325,146 @@ class RunOwnershipTest(tf.test.TestCase):
             agreeing = [{"run": f"r{shard}", "job": "job-1", **state} for shard in (0, 1)]
             check_one_run(agreeing, ["/job:ps/task:0", "/job:ps/task:1"],
                           ["host:0", "host:1"], "job-1")
+
+    def serving(self, index, device):
+        """ps task `index` on `device`, its control thread answering hellos (its liveness
+        watcher idle: the workers here have no servers)."""
+        service = PSService(types.SimpleNamespace(task_index=index), liveness_interval=3600,
+                            device=device).start()
+        self.addCleanup(self.end, service)
+        return service
+
+    def serves(self, run, ranks):
+        """Waits until `run` serves: the replies to the SYNCs `ranks` sent. (Its thread
+        starts serving with eager ops, which once failed under load while another thread
+        of the process ran its own: a shape-mismatched `progress` assign.)"""
+        for rank in ranks:
+            with tf.device(run.device):
+                tf.raw_ops.QueueDequeueV2(handle=run.reply_queues[rank],
+                                          component_types=wire.REPLY_DTYPES)
+
+    def end(self, service):
+        """Stops `service`'s threads, and waits for them: the control queue of its device
+        outlives it, and the next test's service must be the only one reading it."""
+        service.stop()
+        for thread in service._threads:
+            thread.join(120)  # a bound against a hang
+            self.assertFalse(thread.is_alive())
+
+    def clients(self, rank, services):
+        """Worker `rank`'s `ShardClient` of each ps task of `services`."""
+        connection = types.SimpleNamespace(
+            rank=rank, ps_devices=[s.device for s in services],
+            ps_names=[s.task for s in services],
+            ps_addresses=[f"host:{s.config.task_index}" for s in services])
+        return [ShardClient(connection, shard) for shard in range(len(services))]
+
+    def say_hello(self, clients):
+        """Each client's hello (its worker's spec for its shard); returns the answers."""
+        return [c.hello(spec(job="job-1", shard=c.shard, **THREE_WORKERS), timeout=120)
+                for c in clients]
+
+    def replaced(self):
+        """ps:0 holds job 1's run in progress (`THREE_WORKERS`); ps:1 was restarted: empty.
+        Returns the two services, serving."""
+        ps0 = PSService(types.SimpleNamespace(task_index=0), liveness_interval=3600,
+                        device=TWO_DEVICES[0])
+        self.serves(self.start_run(ps0, "job-1", shard=0, **THREE_WORKERS), ranks=(0, 1))
+        ps0.start()  # (its liveness watcher idle, as `serving`'s)
+        self.addCleanup(self.end, ps0)
+        return ps0, self.serving(1, TWO_DEVICES[1])
+
+    def test_workers_finding_a_replaced_ps_are_refused_or_told_at_once(self):
+        # The chief, restarted, says hello to both: ps:1 tells it to initialise its shard,
+        # ps:0 not. Worker 2 joins ps:1's run before the chief compares its answers, and its
+        # own pass (the chief said hello there, and initialises the shards one after the
+        # other). The chief refuses the run, and ps:1's run ends with its error: worker 2's
+        # first sync is told at once. Before, worker 2 waited init_timeout, then failed
+        # saying the chief did not initialise.
+        ps0, ps1 = self.replaced()
+        chief, worker2 = self.clients(0, [ps0, ps1]), self.clients(2, [ps0, ps1])
+        answers = self.say_hello(chief)
+        replacement = ps1.current
+        self.addCleanup(self.stop, replacement)
+        agree_on_one_run(worker2, self.say_hello(worker2), "job-1")
+        with self.assertLogs("tfdist", "ERROR"):
+            with self.assertRaisesRegex(RunError, r"/job:ps/task:1 at host:1 holds no run of "
+                                                  r"job 'job-1' \(started empty"):
+                agree_on_one_run(chief, answers, "job-1")
+            self.assertTrue(replacement.finished.wait(30), "it waits for init_timeout")
+        worker2[1].open_push_queue([tf.float32])  # (as a worker without compression does)
+        with self.assertRaisesRegex(RunError, r"^/job:ps/task:1: /job:worker/task:0 refused "
+                                              r"run \S+, which its chief had not initialised: "
+                                              r"the ps tasks do not hold one run"):
+            worker2[1].sync()  # (after the run closed its queues: why is kept for it)
+        # Then worker 1 (not the chief), restarted too: its hello starts a run on ps:1, which
+        # the chief never joins. Before, it passed (only the chief is told to initialise).
+        # It refuses it, naming ps:1, and that run ends at once with its error.
+        worker1 = self.clients(1, [ps0, ps1])
+        answers = self.say_hello(worker1)
+        replacement = ps1.current
+        self.addCleanup(self.stop, replacement)
+        self.assertEqual([(a["initialized"], a["chief"]) for a in answers],
+                         [(True, True), (False, False)])
+        with self.assertLogs("tfdist", "ERROR"):
+            with self.assertRaisesRegex(
+                    RunError, r"/job:ps/task:1 at host:1 holds run \S+ of job 'job-1', which "
+                              r"its chief never joined \(started empty: a replacement ps "
+                              r"task\?\), while /job:ps/task:0 at host:0 holds run \S+ of job "
+                              r"'job-1' in progress.*Restart the job from the chief's last "
+                              r"checkpoint"):
+                agree_on_one_run(worker1, answers, "job-1")
+            self.assertTrue(replacement.finished.wait(30), "it waits for init_timeout")
+        self.assertRegex(replacement.failure, r"^/job:worker/task:1 refused run \S+, which "
+                                              r"its chief had not initialised: the ps tasks "
+                                              r"do not hold one run")
+
+    def test_workers_starting_a_job_at_once_may_start_its_run_on_different_ps_tasks(self):
+        # Worker 1's hello starts the run on ps:0; then the chief says hello to both (it
+        # starts the run on ps:1) and initialises them; then worker 1's hello reaches ps:1.
+        # Worker 1 finds ps:1's run initialised and ps:0's not claimed by the chief when it
+        # answered: it asks ps:0 again, where the chief has said hello since. Not a ps
+        # started empty: nobody is refused.
+        ps0, ps1 = self.serving(0, TWO_DEVICES[0]), self.serving(1, TWO_DEVICES[1])
+        chief, worker1 = self.clients(0, [ps0, ps1]), self.clients(1, [ps0, ps1])
+        first = self.say_hello(worker1[:1])
+        self.assertEqual((first[0]["initialized"], first[0]["chief"]), (False, False))
+        answers = agree_on_one_run(chief, self.say_hello(chief), "job-1")
+        self.assertEqual([a["initialize"] for a in answers], [True, True])
+        for service in (ps0, ps1):
+            self.addCleanup(self.stop, service.current)
+            with tf.device(service.device):
+                for master in service.current.masters.values():
+                    master.assign(tf.zeros(master.shape, master.dtype))
+            service.current.send_control(protocol.SYNC, 0)
+            self.serves(service.current, ranks=(0,))
+        answers = agree_on_one_run(worker1, first + self.say_hello(worker1[1:]), "job-1")
+        self.assertEqual([(a["initialized"], a["chief"]) for a in answers],
+                         [(True, True), (True, True)])
+
+    def test_a_run_handed_to_its_chief_outlives_the_next_hello(self):
+        # The chief, back after its run finished, is handed it: it reads the masters after
+        # its hello (its model's final weights, then the model it saves). Another job's
+        # hello coming in between (here: before the chief's first read) freed them before:
+        # the chief's reads, its save's, failed (the variable does not exist).
+        service, run, answer, _ = self.hand_over()
+        self.assertTrue(answer["finished"])
+        # The chief opens the run's masters, as its client does (`ShardClient.open_run`).
+        _, masters = protocol.open_run_variables(service.device, run.run, spec())
+        service.handle_control(hello(rank=0, job="job-2", nonce="new", init_timeout=1.0))
+        newer = service.current
+        self.addCleanup(self.stop, newer)
+        self.assertIsNot(newer, run)
+        self.assertTrue(self.answer(service, 0)["initialize"])
+        with tf.device(service.device):
+            self.assertAllEqual(masters["dense/kernel"].read_value(), [1.0, 2.0])
+            self.assertEqual(int(masters["sgd/iteration"].read_value()), 0)
+        # Freed once the run after it is replaced in turn (job 2's chief never initialised
+        # its run: it failed after its init_timeout).
+        with self.assertLogs("tfdist", "ERROR"):
+            self.stop(newer)
+        service.handle_control(hello(rank=0, job="job-3", nonce="third", init_timeout=1.0))
+        self.addCleanup(self.stop, service.current)
+        self.assertTrue(self.answer(service, 0)["initialize"])
+        with tf.device(service.device), self.assertRaises(tf.errors.OpError):
+            masters["dense/kernel"].read_value()

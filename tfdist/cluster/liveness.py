@@ -64,6 +64,7 @@ class Liveness:
         self._clock = clock or time.monotonic
         self.last_round = None  # the clock time of the last round's answers
         self.heard = {}  # key: when it last answered (its first probe's time, if never)
+        self.answers = {}  # key: its probe's answer in the last round that probed it
         self._misses, self._seen, self._judged = {}, set(), set()
 
     def check(self, targets, stall_timeout=None):
@@ -75,6 +76,7 @@ class Liveness:
         self.last_round = now = self._clock()
         found = []
         for key, answer in zip(keys, answers):
+            self.answers[key] = answer
             if answer not in (GONE, STALLED):  # ANSWERED (or any answer a server gives)
                 self._misses[key] = 0
                 self.heard[key] = now
@@ -114,7 +116,7 @@ class Liveness:
     def forget(self, key):
         """Counts `key` afresh (misses, silence, verdict): it left, or died and was told.
         Whether it ever answered is kept: a target that comes back is judged as one seen."""
-        for table in (self._misses, self.heard):
+        for table in (self._misses, self.heard, self.answers):
             table.pop(key, None)
         self._judged.discard(key)
 

@@ -18,6 +18,9 @@ from tfdist.cluster.network import is_listening
 ANSWERED = "answered"  # the server answered an RPC within the deadline
 STALLED = "stalled"  # its port accepts connections, but it did not answer in time
 GONE = "gone"  # nothing accepts connections at its address
+# A new process answers at its address: the server the probe knew (its session there) is
+# gone. Only from a probe made with `report_restarts=True`; else such a server is ANSWERED.
+RESTARTED = "restarted"
 
 # Seconds a server gets to answer one probe.
 PROBE_TIMEOUT = 2.0
@@ -34,8 +37,9 @@ class ServerProbe:
     one asks that session for its devices (ListDevices). Both are answered by the server's
     RPC threads: no op runs, no thread of the training process is needed (a worker whose
     Python thread sleeps or computes answers). A server that restarted answers "session
-    not found": it is alive, and the next probe creates a new session there. A session is
-    kept per address for as long as its server lives.
+    not found": it is alive (`ANSWERED`, or `RESTARTED` with `report_restarts`: a worker
+    whose ps task was replaced lost the shard it held), and the next probe creates a new
+    session there. A session is kept per address for as long as its server lives.
 
     TensorFlow logs, in C++: the probed server, once per session (at INFO, hidden from
     TF_CPP_MIN_LOG_LEVEL=1), "Scanning workers for devices" (and, the first time,
@@ -56,13 +60,16 @@ class ServerProbe:
 
     Args:
       timeout: seconds a server gets to answer one probe.
+      report_restarts: answer `RESTARTED`, not `ANSWERED`, when a new process answers at an
+        address where the probe had a session (a ps task replaced under its workers).
     """
 
-    def __init__(self, timeout=PROBE_TIMEOUT):
+    def __init__(self, timeout=PROBE_TIMEOUT, report_restarts=False):
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"`timeout` must be a positive number of seconds. "
                              f"Received: {timeout!r}")
         self.timeout = timeout
+        self.report_restarts = report_restarts
         self.errors = {}  # address: why its last probe did not answer
         self._sessions = {}  # address: the session kept on its server
         self._server_locks = {}  # address: held while its server is probed
@@ -73,7 +80,7 @@ class ServerProbe:
 
         Servers at different addresses may be probed at once, from several threads.
 
-        Returns `ANSWERED`, `STALLED` or `GONE`.
+        Returns `ANSWERED`, `STALLED` or `GONE` (or `RESTARTED`: `report_restarts`).
         """
         with self._lock:
             server_lock = self._server_locks.setdefault(address, threading.Lock())
@@ -100,6 +107,10 @@ class ServerProbe:
                     "is not found" in e.message):
                 # The server answered that it does not know the session: a new process.
                 self._discard(address)
+                if self.report_restarts:
+                    self.errors[address] = ("a new process answers there, which does not "
+                                            "know the session this probe had on the old one")
+                    return RESTARTED
                 self.errors.pop(address, None)
                 return ANSWERED
             first_line = e.message.strip().split("\n")[0]

@@ -50,18 +50,32 @@ class Reply(typing.NamedTuple):
     dropped: typing.Any = False
 
 
+def _unclaimed(answer):
+    """Whether a hello's answer is a run the chief has not said hello to (and so has not
+    initialised), unfinished."""
+    return not (answer.get("finished") or answer.get("initialized", True)
+                or answer.get("chief", True))
+
+
 def check_one_run(answers, ps_names, ps_addresses, job):
     """Raises `RunError` unless the hello answers of every ps task describe one run.
 
     Each ps task decides on its own whether the worker joins a run in progress, starts one
     (the chief then initialises its masters) or comes back to one that finished: a ps task
-    started again empty under a run in progress (or a finished one) would have the chief
+    started again empty under a run (in progress or finished) would have the chief
     initialise its shard afresh beside the others' trained ones, its optimizer's step
-    included. So every answer must say the same; the error names each ps task and what it
-    holds.
+    included, and leave any other worker waiting for an initialisation that never comes.
+    So the answers must agree, for every worker: the chief's all say initialise, or none
+    does; another worker's answers hold no run the chief has initialised beside one the
+    chief never said hello to (the chief says hello to every ps task before it initialises
+    any: such a run is not the one it initialised). Workers starting one job at once may
+    each start its run on a different ps task, and the chief initialises the shards one
+    after the other: neither is refused. The error names each ps task and what it holds.
 
     Args:
-      answers: the answers of the ps tasks' hellos, in ps order.
+      answers: the answers of the ps tasks' hellos, in ps order (of a worker that is not
+        the chief, those of runs the chief had not said hello to asked again after the
+        others: `agree_on_one_run`).
       ps_names, ps_addresses: each ps task's name and address.
       job: this worker's job id.
     """
@@ -69,25 +83,60 @@ def check_one_run(answers, ps_names, ps_addresses, job):
     def state(answer):
         if answer.get("finished"):
             return "finished"
-        return "initialize" if answer["initialize"] else "in progress"
+        if answer["initialize"]:
+            return "new"
+        if answer.get("initialized", True):
+            return "in progress"
+        return "unclaimed" if _unclaimed(answer) else "starting"
 
     states = [state(a) for a in answers]
-    if len(set(states)) <= 1:
+    if len(set(states)) <= 1 or set(states) <= {"unclaimed", "starting"} or (
+            set(states) <= {"starting", "in progress"}):
         return
-    held = {"initialize": f"holds no run of job {job!r} (started empty: a replacement ps "
-                          "task?)",
+    held = {"new": f"holds no run of job {job!r} (started empty: a replacement ps task?)",
+            "unclaimed": "holds run {run} of job {job!r}, which its chief never joined "
+                         "(started empty: a replacement ps task?)",
+            "starting": "holds run {run} of job {job!r}, which its chief has not initialised",
             "in progress": "holds run {run} of job {job!r} in progress",
             "finished": "holds run {run} of job {job!r}, finished"}
     shards = ", while ".join(
         f"{name} at {address} " + held[s].format(run=a.get("run"), job=a.get("job"))
         for name, address, a, s in sorted(zip(ps_names, ps_addresses, answers, states),
-                                           key=lambda t: t[3] != "initialize"))
+                                           key=lambda t: t[3] not in ("new", "unclaimed")))
     raise RunError(
         f"the ps tasks do not hold one run: {shards}. A run cannot go on with some shards "
         "trained and others fresh: the shards of the ps tasks without the run are lost, "
         "optimizer state included. Restart the job from the chief's last checkpoint: stop "
         "every worker (each ps task ends its run once none is left) and start them again, "
         "or restart every ps task")
+
+
+def agree_on_one_run(clients, answers, job):
+    """`check_one_run` on the answers of this worker's hellos to `clients`' ps tasks.
+
+    A worker that is not the chief, finding a run the chief initialised on one ps task,
+    asks again (a second hello) the ps tasks whose run the chief had not said hello to when
+    they answered: it may have since (a job starting: this worker's hello started the run
+    there, then the chief said hello to every ps task and initialised them). When the check
+    refuses, the runs that cannot be this job's (those the chief never said hello to, or
+    that the chief was told to initialise) end at once with its error, on their ps tasks:
+    a worker that joined one meanwhile is told, instead of waiting `init_timeout` for an
+    initialisation that never comes.
+
+    Returns the answers checked.
+    """
+    if any(a.get("initialized") and not a.get("finished") for a in answers):
+        answers = [client.hello_again() if _unclaimed(answer) else answer
+                   for client, answer in zip(clients, answers)]
+    connection = clients[0].connection
+    try:
+        check_one_run(answers, connection.ps_names, connection.ps_addresses, job)
+    except RunError as error:
+        for client, answer in zip(clients, answers):
+            if answer["initialize"] or _unclaimed(answer):
+                client.refuse(answer["run"], str(error))
+        raise
+    return answers
 
 
 class ShardClient:
@@ -126,6 +175,7 @@ class ShardClient:
         no tfdist service: a bare `tf.distribute.Server`).
         """
         spec = spec_of(spec)
+        self._hello_args = (spec, timeout)
         nonce = os.urandom(8).hex()
         self._send_control({"type": "hello", "rank": self.rank, "nonce": nonce,
                             "spec": spec.to_json()})
@@ -150,6 +200,15 @@ class ShardClient:
                            f"{answer['error']}")
         self.open_run(answer["run"], spec)
         return answer
+
+    def hello_again(self):
+        """Says hello again, as the last time; returns the ps's new answer."""
+        return self.hello(*self._hello_args)
+
+    def refuse(self, run, error):
+        """Tells the ps that this worker found its run `run` beside another of its job
+        (`error`): a run not initialised yet ends with it."""
+        self._send_control({"type": "refused", "rank": self.rank, "run": run, "error": error})
 
     def absent(self):
         """Tells the ps this worker will not train (it never joined a run)."""
@@ -250,16 +309,20 @@ class ShardClient:
         """Asks for the current weights (eagerly); returns a `Reply`.
 
         Replies meant for an earlier process of this rank (a restarted worker) are skipped.
+        A run that ended (its queues closed) may have left why in this worker's reply
+        queue (a run that failed tells every worker in it): that is raised.
         """
         with tf.init_scope():
             try:
                 self.send_control(protocol.SYNC)
+            except tf.errors.CancelledError:
+                pass  # the run closed its queues: why, if it said, waits in the reply queue
             except tf.errors.OpError:
                 raise RunError(f"{self.task}: run {self.run} has ended") from None
             while True:
                 try:
                     token, message, stats, values = self._dequeue()
-                except tf.errors.OutOfRangeError:
+                except tf.errors.OpError:
                     raise RunError(f"{self.task}: run {self.run} has ended") from None
                 message = message.numpy().decode("utf-8", "replace")
                 if int(token) < 0:

@@ -14,6 +14,7 @@ from tfdist.cluster import wait_for_tasks
 from tfdist.cluster.liveness import Liveness
 from tfdist.cluster.liveness import Target
 from tfdist.cluster.probe import ANSWERED
+from tfdist.cluster.probe import RESTARTED
 from tfdist.cluster.probe import ProbePool
 from tfdist.cluster.probe import ServerProbe
 
@@ -143,6 +144,15 @@ class PSWatchdog:
     `stall_timeout` seconds it calls `on_stall([(name, address, why)])` from its thread,
     which ends the process with an error naming the task.
 
+    A ps task replaced by a new, empty process (restarted by hand or by its scheduler) answers
+    the probe, but not in the session the probe had on the old one (`RESTARTED`): its shard,
+    which this worker's run was using, is gone. The watchdog then calls
+    `on_restart([(name, address, why)])` at once (the worker's next op there would fail with
+    TensorFlow's bare NotFound). The probe's first session on each ps task is made in its
+    first round, after the worker's hellos in all but a slow start: a ps task replaced
+    between a hello and that round is not seen (the run's own check, when the chief joins,
+    still is).
+
     Its thread cannot run while another holds Python's lock in a call that waits on the
     stopped ps (TensorFlow registers each newly traced function on the ps tasks, and waits
     for them, holding it). So each round also re-arms a `LastWordFuse`: if no round comes
@@ -155,21 +165,25 @@ class PSWatchdog:
       connection: the worker's `PSConnection`.
       stall_timeout: seconds a ps task may go without answering.
       on_stall: called once, with the tasks that stopped answering.
+      on_restart: called once, with the tasks replaced by a new process (None: `on_stall`).
       interval: seconds between rounds of probes (None: a quarter of `stall_timeout`, at
         most 1).
       probe, clock: for tests (a `ServerProbe`, `time.monotonic`).
       fuse: for tests: False runs without a `LastWordFuse`.
     """
 
-    def __init__(self, connection, stall_timeout, on_stall, interval=None, probe=None,
-                 clock=None, fuse=True):
+    def __init__(self, connection, stall_timeout, on_stall, on_restart=None, interval=None,
+                 probe=None, clock=None, fuse=True):
         self.targets = list(zip(connection.ps_addresses, connection.ps_names))
         self.task = getattr(connection, "task_name", "this worker")
         self.stall_timeout = stall_timeout
         self.on_stall = on_stall
+        self.on_restart = on_restart or on_stall
+        self.restarted = {}  # address: (name, address, why) of a ps task found replaced
         self.interval = min(1.0, stall_timeout / 4) if interval is None else interval
         # A killed ps fails the worker's next op at once: only the stall rule counts here.
-        self.liveness = Liveness(stall_timeout, probe=probe, clock=clock)
+        self.liveness = Liveness(stall_timeout, probe=probe or ServerProbe(report_restarts=True),
+                                 clock=clock)
         self._stopped = threading.Event()
         self._thread = None
         self._fuse = LastWordFuse() if fuse else None
@@ -193,11 +207,21 @@ class PSWatchdog:
 
     def poll(self):
         """Probes every ps task once; returns `[(name, address, why)]` of those that have not
-        answered for more than `stall_timeout`."""
+        answered for more than `stall_timeout` (those found replaced go to `restarted`)."""
         found = self.liveness.check({address: Target(address, name)
                                      for address, name in self.targets})
         names = dict(self.targets)
+        for address, name in self.targets:
+            if self.liveness.answers.get(address) == RESTARTED:
+                self.restarted.setdefault(
+                    address, (name, address, self.liveness.probe.errors.get(address, "")))
         return [(names[dead.key], dead.key, dead.why) for dead in found]
+
+    def replaced(self):
+        """`[(name, address, why)]` of the ps tasks found replaced by a new process, after
+        probing each once more (a worker whose op on one failed asks why)."""
+        self.poll()
+        return list(self.restarted.values())
 
     def last_word(self, named=None):
         """The error the fuse writes if no round comes any more and a ps task does not answer
@@ -221,6 +245,9 @@ class PSWatchdog:
                 stalled = self.poll()
                 if self._stopped.is_set():
                     break
+                if self.restarted:
+                    self.on_restart(list(self.restarted.values()))
+                    return
                 if stalled:
                     self.on_stall(stalled)
                     return

@@ -113,6 +113,7 @@ class BadControlMessage(ValueError):
 # The fields of each control message type and the JSON types they must have.
 _CONTROL_FIELDS = {"hello": {"rank": int, "nonce": str, "spec": dict},
                    "absent": {"rank": int},
+                   "refused": {"rank": int, "run": str, "error": str},
                    "stop": {}}
 _TYPE_NAMES = {int: "an integer", str: "a string", dict: "a JSON object"}
 
@@ -122,7 +123,8 @@ def _a(kind):
 
 
 def control_message(text, num_workers=None):
-    """A message of the control queue (hello, absent, stop), as the dict the service acts on.
+    """A message of the control queue (hello, absent, refused, stop), as the dict the service
+    acts on.
 
     What a worker says about itself reaches a run only through here and `LivenessWatcher`.
     Anything may arrive on the queue (any process that reaches the ps port can enqueue), so

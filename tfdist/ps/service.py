@@ -13,14 +13,18 @@ a `ShardRun` whose thread:
    the average, or the outer optimizer to the average's change), and replies to the
    workers, update after update, and returns to Python only when a worker joins, leaves or
    dies (`tfdist.ps.membership`),
-4. when every worker has left or died, destroys the run's resources.
+4. when every worker has left or died, ends (its resources are freed when a new run
+   replaces it).
 
 A run belongs to the job whose worker started it (`ShardSpec.job`): a worker of another job
 is refused while it is in progress, and a worker of its job that died in it and comes back
 after it finished (a chief restarted by its scheduler) is told so and takes its final
-weights, instead of starting the job again; any other hello after a run ended starts a new
-one. A ps task cannot know what the other shards hold: a chief told to initialise some
-shards but not others refuses the run (`tfdist.ps.client.check_one_run`).
+weights, instead of starting the job again (the run's masters outlive the next run's start,
+for it to read); any other hello after a run ended starts a new one. A ps task cannot know
+what the other shards hold: each answer says whether the chief said hello to the run and
+whether it initialised it, and a worker whose answers do not describe one run refuses it
+(`tfdist.ps.client.agree_on_one_run`) and tells them: such a run then ends. Which hellos
+are answered with an error instead is `tfdist.ps.admission`'s.
 
 Nothing in a ps waits for a particular worker: the chief's death does not stop a soft-sync
 job. A worker's death is noticed by the service's `LivenessWatcher`; with N = M (hard sync)
@@ -37,12 +41,14 @@ import tensorflow as tf
 from tfdist import compression as compression_lib
 from tfdist.ps import protocol
 from tfdist.ps import wire
+from tfdist.ps.admission import claimed_sender
+from tfdist.ps.admission import refusal
+from tfdist.ps.admission import refused_import
 from tfdist.ps.membership import BadControlMessage
 from tfdist.ps.membership import LivenessWatcher
 from tfdist.ps.membership import Membership
 from tfdist.ps.membership import check_rank
 from tfdist.ps.membership import control_message
-from tfdist.ps.policies import STALENESS_FUNCTIONS
 from tfdist.ps.policies import policy_from_spec
 from tfdist.ps.protocol import DIED
 from tfdist.ps.protocol import EXPECTED
@@ -55,9 +61,6 @@ from tfdist.ps.updater import shard_push_dtypes
 from tfdist.ps.variables import is_initialized
 
 log = logging.getLogger("tfdist")
-
-# The packages whose modules a worker's spec may name without a `--ps_import`.
-OWN_MODULES = ("keras", "tfdist")
 
 # Numbers the runs of this process: two services of one process (a test's) never share a
 # run's resources.
@@ -83,6 +86,9 @@ class ShardRun:
         self.graph = None
         self.failure = None
         self.finished = threading.Event()
+        self.handed_over = False  # to a worker back after it finished (`PSService._hand_over`)
+        self.refused = None  # why a worker refused it before the chief initialised it
+        self.chief_said_hello = False  # (rank 0's hello: it initialises the run only after)
         self.created = time.monotonic()
         self.stalls = {}  # rank: how long a worker the watcher found dead did not answer
         self.push_dtypes = shard_push_dtypes(protocol.ShardLayout(spec.variables),
@@ -184,6 +190,8 @@ class ShardRun:
         variables = list(self.masters.values())
         delay = 0.005
         while not all(is_initialized(v) for v in variables):
+            if self.refused is not None:
+                raise RunFailed(self.refused)
             if time.monotonic() > deadline:
                 raise RunFailed(f"{chief} did not initialise the master variables within "
                                 f"{self.spec.init_timeout:g} s: is it running the same "
@@ -290,60 +298,6 @@ class ShardRun:
                     pass
 
 
-def claimed_sender(text):
-    """Who a control message says sent it, for the log line of a bad one: `" from
-    /job:worker/task:1 (rank 1, as it says)"`, `" from rank 5 (as it says)"`, or "" when it
-    does not say (not JSON, no integer rank). Any process can enqueue a message: this is
-    what the message claims, not who sent it."""
-    try:
-        message = wire.decode(text)
-    except (UnicodeDecodeError, ValueError):
-        return ""
-    rank = message.get("rank") if isinstance(message, dict) else None
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        return ""
-    spec = message.get("spec")
-    tasks = spec.get("worker_tasks") if isinstance(spec, dict) else None
-    if isinstance(tasks, list) and 0 <= rank < len(tasks) and isinstance(tasks[rank], str):
-        return f" from {tasks[rank]} (rank {rank}, as it says)"
-    return f" from rank {rank} (as it says)"
-
-
-def refused_import(spec, allowed):
-    """None if every module the hello's `spec` asks the ps to import is allowed, else why not.
-
-    A hello names modules (a custom optimizer's or schedule's, `spec.imports`) and
-    `module:function` staleness functions; importing a module runs its code, and any process
-    that reaches the ps port can say hello. So the ps imports only Keras's and tfdist's own
-    modules and those named on its own command line (`allowed`: `--ps_import`, and their
-    submodules). A staleness function is called on the ps: it must come from a module named
-    on the command line, never from Keras's or tfdist's (any of whose functions a message
-    could otherwise name; tfdist's own staleness functions go by name, "none", "inverse").
-    """
-    staleness = spec.policy.get("staleness") if isinstance(spec.policy, dict) else None
-    references = [(str(module), OWN_MODULES) for module in spec.imports]
-    if staleness is not None and staleness not in STALENESS_FUNCTIONS:
-        if not (isinstance(staleness, str) and ":" in staleness):
-            return (f"the workers' spec names the staleness function {staleness!r}: it must be "
-                    f"one of {sorted(STALENESS_FUNCTIONS)} or `module:function` (a function of "
-                    "a module named on the ps task's command line)")
-        references.append((staleness, ()))
-    for reference, own in references:
-        module = reference.partition(":")[0]
-        roots = (*own, *allowed)
-        if not any(module == root or module.startswith(root + ".") for root in roots):
-            what = ("a staleness function, which runs on the ps, must be in a module named on "
-                    "the ps task's command line"
-                    if reference == staleness else "a ps imports only Keras's and tfdist's own "
-                    "modules and those given to it")
-            return (f"the workers' spec asks the ps to import {module!r} (for "
-                    f"{reference!r}), which was not named on the ps task's command line: "
-                    f"{what}. Start the ps tasks with `tfdist-launch --job_name=ps "
-                    f"--ps_import={module}` (`LocalCluster(..., ps_imports=[{module!r}])`). "
-                    f"Allowed now: {list(roots)}")
-    return None
-
-
 class PSService:
     """Answers workers' hellos and runs the shard runs of one ps task.
 
@@ -367,6 +321,7 @@ class PSService:
         self.task = f"/job:ps/task:{config.task_index}"
         self.device = device or f"/job:ps/replica:0/task:{config.task_index}/device:CPU:0"
         self.current = None
+        self._retired = []  # a run handed over, freed when the run after it is replaced
         self._stop = threading.Event()
         # Orders "a worker joins the current run" against "the run ends".
         self.lock = threading.Lock()
@@ -422,6 +377,8 @@ class PSService:
             elif message["type"] == "absent" and self.current is not None:
                 check_rank(message["rank"], self.current.num_workers, "absent")
                 self.current.send_control(protocol.LEAVE, message["rank"])
+            elif message["type"] == "refused" and self.current is not None:
+                self._refused(self.current, message)
         except BadControlMessage as e:
             log.error("tfdist: %s: ignored a bad control message%s: %s", self.task,
                       claimed_sender(text), e)
@@ -460,7 +417,7 @@ class PSService:
         with self.lock:
             run = self.current
             if run is not None and run.in_progress():
-                refused = self._refusal(run, spec, rank)
+                refused = refusal(run, spec, rank, self.task)
                 if refused is not None:
                     self._answer(rank, {"nonce": message["nonce"], "error": refused})
                     return
@@ -472,35 +429,45 @@ class PSService:
             if ended.finished_without(rank, spec.job):
                 self._hand_over(ended, spec, rank, message["nonce"])
                 return
-            ended.teardown()
+            self._retire(ended)
         if run is None:
             run = ShardRun(self, f"{int(time.time())}-{next(_run_numbers)}", spec)
             self.current = run
             run.start()
             log.info("tfdist: %s: run %s of job %r started by %s", self.task, run.run,
                      run.job, spec.worker_tasks[rank])
-        initialize = rank == 0 and not all(is_initialized(v) for v in run.masters.values())
+        run.chief_said_hello = run.chief_said_hello or rank == 0
+        # What the worker compares across the ps tasks (`tfdist.ps.client.check_one_run`):
+        # whether the chief said hello to the run here, and whether it initialised it.
+        initialized = all(is_initialized(v) for v in run.masters.values())
         self._answer(rank, {"nonce": message["nonce"], "run": run.run, "job": run.job,
-                            "initialize": initialize, "finished": False,
-                            "error": run.failure})
+                            "initialize": rank == 0 and not initialized,
+                            "initialized": initialized, "chief": run.chief_said_hello,
+                            "finished": False, "error": run.failure})
 
-    def _refusal(self, run, spec, rank):
-        """None if worker `rank` (of `spec`) may join `run`, in progress; else why not."""
-        task = spec.worker_tasks[rank]
-        if spec.job != run.job:
-            in_run = [r for r, s in enumerate(run.members.status) if s in (EXPECTED, LIVE)]
-            return (f"{task} is a worker of job {spec.job!r}, but {self.task} holds run "
-                    f"{run.run} of job {run.job!r} in progress (ranks {in_run} in it): a run "
-                    "belongs to one job, and one run at a time is served. Wait until that "
-                    "run ends (each ps task ends it once none of its workers is left: a "
-                    "killed one is noticed within seconds, a hung one after its "
-                    "stall_timeout), or restart the ps tasks")
-        difference = run.spec.difference(spec)
-        if difference is not None:
-            return (f"{task} does not fit run {run.run} on {self.task}: {difference}. Every "
-                    "worker must build the same model and optimizer under the strategy's "
-                    "scope")
-        return None
+    def _retire(self, ended):
+        """Frees the resources of the run `ended`, which a new one replaces; a run handed
+        over to a worker that came back after it finished (`_hand_over`) is freed only when
+        the run after it is replaced in turn: that worker reads its masters (its model's
+        final weights, then the model it saves) after its hello, and the next hello (another
+        job's, a worker that had left starting its job again) must not free them under it."""
+        for run in self._retired:
+            run.teardown()
+        self._retired = [ended] if ended.handed_over else []
+        if not ended.handed_over:
+            ended.teardown()
+
+    def _refused(self, run, message):
+        """A worker found `run` beside another run of its job on another ps task
+        (`tfdist.ps.client.agree_on_one_run`): if its chief has not initialised it, it ends
+        with that worker's error, which every worker in it is then told."""
+        check_rank(message["rank"], run.num_workers, "refused")
+        if message["run"] != run.run or all(is_initialized(v) for v in run.masters.values()):
+            raise BadControlMessage(f"it refuses run {message['run']!r}: only the current "
+                                    f"run ({run.run}) can be refused, until it is initialised")
+        run.refused = (f"{run.spec.worker_tasks[message['rank']]} refused run {run.run}, "
+                       f"which its chief had not initialised: {message['error']}")
+        log.error("tfdist: %s: %s", self.task, run.refused)
 
     def _hand_over(self, run, spec, rank, nonce):
         """Tells worker `rank`, back after `run` of its job finished, to take the run's final
@@ -514,5 +481,7 @@ class PSService:
         log.warning("tfdist: %s: %s came back to run %s of job %r after it finished: it "
                     "takes its final weights (no new run starts)", self.task,
                     spec.worker_tasks[rank], run.run, run.job)
+        run.handed_over = True
         self._answer(rank, {"nonce": nonce, "run": run.run, "job": run.job,
-                            "initialize": False, "finished": True, "error": None})
+                            "initialize": False, "initialized": True, "chief": True,
+                            "finished": True, "error": None})

@@ -20,7 +20,7 @@ from tfdist.ps import protocol
 from tfdist.ps import snapshot
 from tfdist.ps.client import RunError
 from tfdist.ps.client import ShardClient
-from tfdist.ps.client import check_one_run
+from tfdist.ps.client import agree_on_one_run
 from tfdist.ps.connection import PSWatchdog
 from tfdist.ps.push import check_split
 from tfdist.ps.spec import ShardSpec
@@ -76,7 +76,7 @@ class WorkerRunMixin:
         # From the first hello on, a ps task that stops answering ends this worker, named,
         # instead of leaving it waiting for ever.
         self._watchdog = PSWatchdog(self._connection, self._stall_timeout,
-                                    self._end_on_stalled_ps).start()
+                                    self._end_on_stalled_ps, self._end_on_replaced_ps).start()
         clients = [ShardClient(self._connection, s) for s in range(num_ps)]
         answers = []
         with tf.init_scope():
@@ -84,8 +84,7 @@ class WorkerRunMixin:
                 answers.append(client.hello(self._spec(shard, entries[shard]),
                                             timeout=self._init_timeout))
             # Refused: this worker exits, and each ps task then counts it dead.
-            check_one_run(answers, self._connection.ps_names, self._connection.ps_addresses,
-                          self._job)
+            answers = agree_on_one_run(clients, answers, self._job)
             self.run_finished = bool(answers[0].get("finished"))
             if self.run_finished:
                 log.warning("tfdist: run %s of job %r finished while %s was away: it takes "
@@ -259,6 +258,9 @@ class WorkerRunMixin:
             self._take_masters()
         except (tf.errors.OpError, RunError) as e:
             gone = self._connection.unreachable_ps()
+            replaced = [] if gone or self._watchdog is None else self._watchdog.replaced()
+            if replaced:
+                self._end_on_replaced_ps(replaced)
             if not gone:
                 log.warning("tfdist: %s could not leave the run cleanly: %s",
                             self._connection.task_name, e)
@@ -272,14 +274,19 @@ class WorkerRunMixin:
         """The watchdog's verdict: a ps task has not answered for stall_timeout."""
         self._end_on_lost_ps(stalled, "this worker's ops on it would wait for ever")
 
-    def _end_on_lost_ps(self, lost, because):
-        """Logs which ps tasks (`[(name, address, why)]`) stopped answering and ends the
-        process: their shards are out of reach, and nothing can go on without them."""
+    def _end_on_replaced_ps(self, replaced):
+        """The watchdog's verdict: a new, empty process answers in place of a ps task."""
+        self._end_on_lost_ps(replaced, "a new process started there holds no shard of this "
+                             "run", happened="was restarted and lost its shard")
+
+    def _end_on_lost_ps(self, lost, because, happened="stopped answering"):
+        """Logs which ps tasks (`[(name, address, why)]`) stopped answering (or what else
+        `happened` to them) and ends the process: their shards are out of reach, and nothing
+        can go on without them."""
         log.error("tfdist: %s: its shard of the master variables is gone, and no worker can "
                   "train on without it (%s). Restart the job; the chief's last checkpoint "
                   "holds the model",
-                  "; ".join(f"{name} at {address} stopped answering" + (f" ({why})" if why
-                                                                       else "")
+                  "; ".join(f"{name} at {address} {happened}" + (f" ({why})" if why else "")
                             for name, address, why in lost), because)
         end_with_last_word(1)  # issue 22: the error above stays the user's last screen
 
