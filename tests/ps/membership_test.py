@@ -132,6 +132,14 @@ class ServerProbeTest(tf.test.TestCase):
         answer, took = self.timed(probe, address)
         self.assertEqual(answer, GONE)
         self.assertLess(took, HANG_BOUND)
+        # Seen gone, then a new process there (a replaced task is down while it starts): the
+        # first answer there is the restart, not a server the probe meets for the first time.
+        self.assertEqual(reporting(address, TASK), GONE)
+        child = self.start_child(address)
+        self.assertEqual(probe(address, TASK), ANSWERED)
+        self.assertEqual(reporting(address, TASK), RESTARTED)
+        self.assertIn("went away", reporting.errors[address])
+        self.assertEqual(reporting(address, TASK), ANSWERED)
 
     def test_timeout_is_checked(self):
         with self.assertRaisesRegex(ValueError, "`timeout` must be a positive number"):
@@ -322,7 +330,7 @@ class PSWatchdogTest(tf.test.TestCase):
                          [("/job:ps/task:1", "ps1:1", "a new process answers there")])
         restarted = []
         watchdog.on_restart = restarted.append
-        watchdog._clock = time.monotonic
+        watchdog.liveness._clock = time.monotonic
         watchdog.interval = 0.05
         watchdog.start()
         watchdog._thread.join(HANG_BOUND)

@@ -92,7 +92,27 @@ class ControlMessageTest(tf.test.TestCase):
         self.assertEqual(control_message(b'{"type": "stop"}'), {"type": "stop"})
 
 
+def drain_service_queues():
+    """Empties the control and hello queues of every device the tests' ps tasks use. Those
+    queues belong to the device, not to a `PSService`: a message an earlier test left there
+    (an answer never read, a control message no thread took) would reach the next test's
+    service or client, and the order the tests run in would decide what they see."""
+    for device in [DEVICE, *TWO_DEVICES]:
+        with tf.device(device):
+            names = [(protocol.CONTROL_QUEUE, [tf.string])] + [
+                (f"hello/{rank}", [tf.string]) for rank in range(8)]
+            for name, dtypes in names:
+                queue = tf.raw_ops.FIFOQueueV2(component_types=dtypes, shapes=[], capacity=-1,
+                                               container=protocol.CONTAINER, shared_name=name)
+                for _ in range(int(tf.raw_ops.QueueSizeV2(handle=queue))):
+                    tf.raw_ops.QueueDequeueV2(handle=queue, component_types=dtypes)
+
+
 class ServiceTest(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        drain_service_queues()
 
     def service(self, imports=()):
         return PSService(types.SimpleNamespace(task_index=0), imports=imports, device=DEVICE)
@@ -203,14 +223,14 @@ class ServiceTest(tf.test.TestCase):
                 self.assertIn(f"--ps_import={function.partition(':')[0]}", error)
 
 
-if __name__ == "__main__":
-    tf.test.main()
-
-
 class RunOwnershipTest(tf.test.TestCase):
     """Issue 22: a run belongs to a job. A chief back after its run finished takes the run's
     final weights (it never initialises it again); a new job starts afresh; a ps restarted
     empty under a run in progress is refused by the chief, naming it."""
+
+    def setUp(self):
+        super().setUp()
+        drain_service_queues()
 
     def answer(self, service, rank):
         return ServiceTest.answer(self, service, rank)
@@ -468,3 +488,7 @@ class RunOwnershipTest(tf.test.TestCase):
         self.assertTrue(self.answer(service, 0)["initialize"])
         with tf.device(service.device), self.assertRaises(tf.errors.OpError):
             masters["dense/kernel"].read_value()
+
+
+if __name__ == "__main__":
+    tf.test.main()

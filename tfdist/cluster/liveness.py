@@ -10,6 +10,7 @@ keeps what is its own: which targets to watch, and what to do with a dead one.
 """
 
 import collections
+import threading
 import time
 
 from tfdist.cluster.probe import GONE
@@ -65,19 +66,27 @@ class Liveness:
         self.last_round = None  # the clock time of the last round's answers
         self.heard = {}  # key: when it last answered (its first probe's time, if never)
         self.answers = {}  # key: its probe's answer in the last round that probed it
+        self._answered = set()  # keys that answered in the last round
+        self._lock = threading.Lock()
         self._misses, self._seen, self._judged = {}, set(), set()
 
     def check(self, targets, stall_timeout=None):
         """Probes `targets` (`{key: Target}`) at once; returns `[Dead]` of those found dead
         in this round, each key once (until `forget`), in the order of `targets`."""
+        with self._lock:  # several threads may ask (a worker's watchdog, its leave)
+            return self._check(targets, stall_timeout)
+
+    def _check(self, targets, stall_timeout):
         stall_timeout = self.stall_timeout if stall_timeout is None else stall_timeout
         keys = list(targets)
         answers = self._probes([(targets[k].address, targets[k].task) for k in keys])
         self.last_round = now = self._clock()
+        self._answered = set()
         found = []
         for key, answer in zip(keys, answers):
             self.answers[key] = answer
             if answer not in (GONE, STALLED):  # ANSWERED (or any answer a server gives)
+                self._answered.add(key)
                 self._misses[key] = 0
                 self.heard[key] = now
                 self._seen.add(key)
@@ -111,7 +120,7 @@ class Liveness:
 
     def answered_last_round(self, key):
         """Whether `key` answered the last round's probe."""
-        return self.last_round is not None and self.heard.get(key) == self.last_round
+        return key in self._answered
 
     def forget(self, key):
         """Counts `key` afresh (misses, silence, verdict): it left, or died and was told.

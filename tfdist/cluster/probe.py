@@ -39,7 +39,9 @@ class ServerProbe:
     Python thread sleeps or computes answers). A server that restarted answers "session
     not found": it is alive (`ANSWERED`, or `RESTARTED` with `report_restarts`: a worker
     whose ps task was replaced lost the shard it held), and the next probe creates a new
-    session there. A session is kept per address for as long as its server lives.
+    session there. So is a server found at an address where the server it knew was seen
+    gone in between (a replaced task is down while it starts). A session is kept per
+    address for as long as its server lives.
 
     TensorFlow logs, in C++: the probed server, once per session (at INFO, hidden from
     TF_CPP_MIN_LOG_LEVEL=1), "Scanning workers for devices" (and, the first time,
@@ -72,6 +74,7 @@ class ServerProbe:
         self.report_restarts = report_restarts
         self.errors = {}  # address: why its last probe did not answer
         self._sessions = {}  # address: the session kept on its server
+        self._lost = set()  # addresses whose known server went away (GONE) since
         self._server_locks = {}  # address: held while its server is probed
         self._lock = threading.Lock()
 
@@ -89,6 +92,10 @@ class ServerProbe:
 
     def _probe(self, address, task):
         if not is_listening(address, timeout=min(0.5, self.timeout)):
+            if address in self._sessions:
+                # The server it knew went away: whoever answers there next is a new process
+                # (a replaced task is down for seconds, while it imports TensorFlow).
+                self._lost.add(address)
             self._discard(address)
             self.errors[address] = "nothing accepts connections there"
             return GONE
@@ -98,6 +105,12 @@ class ServerProbe:
                 session = self._new_session(address, task)
                 _tf_compat.create_remote_session(session)
                 self._sessions[address] = session
+                if address in self._lost:
+                    self._lost.discard(address)
+                    if self.report_restarts:
+                        self.errors[address] = ("a new process answers there: the one this "
+                                                "probe had a session on went away")
+                        return RESTARTED
             else:
                 session.list_devices()
         except tf.errors.OpError as e:

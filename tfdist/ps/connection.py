@@ -180,6 +180,7 @@ class PSWatchdog:
         self.on_stall = on_stall
         self.on_restart = on_restart or on_stall
         self.restarted = {}  # address: (name, address, why) of a ps task found replaced
+        self._poll_lock = threading.Lock()
         self.interval = min(1.0, stall_timeout / 4) if interval is None else interval
         # A killed ps fails the worker's next op at once: only the stall rule counts here.
         self.liveness = Liveness(stall_timeout, probe=probe or ServerProbe(report_restarts=True),
@@ -207,20 +208,26 @@ class PSWatchdog:
 
     def poll(self):
         """Probes every ps task once; returns `[(name, address, why)]` of those that have not
-        answered for more than `stall_timeout` (those found replaced go to `restarted`)."""
-        found = self.liveness.check({address: Target(address, name)
-                                     for address, name in self.targets})
+        answered for more than `stall_timeout` (those found replaced go to `restarted`).
+        The watchdog's thread and a leaving worker's may poll at once: one round at a time,
+        so each reads its own round's answers (a replaced task answers `RESTARTED` once)."""
+        with self._poll_lock:
+            found = self.liveness.check({address: Target(address, name)
+                                         for address, name in self.targets})
+            for address, name in self.targets:
+                if self.liveness.answers.get(address) == RESTARTED:
+                    self.restarted.setdefault(
+                        address, (name, address, self.liveness.probe.errors.get(address, "")))
         names = dict(self.targets)
-        for address, name in self.targets:
-            if self.liveness.answers.get(address) == RESTARTED:
-                self.restarted.setdefault(
-                    address, (name, address, self.liveness.probe.errors.get(address, "")))
         return [(names[dead.key], dead.key, dead.why) for dead in found]
 
     def replaced(self):
         """`[(name, address, why)]` of the ps tasks found replaced by a new process, after
-        probing each once more (a worker whose op on one failed asks why)."""
-        self.poll()
+        probing each once more (a worker whose op on one failed asks why). A ps task this
+        round finds stalled is told to `on_stall` here (each is judged once)."""
+        stalled = self.poll()
+        if stalled and not self.restarted:
+            self.on_stall(stalled)
         return list(self.restarted.values())
 
     def last_word(self, named=None):
