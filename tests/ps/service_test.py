@@ -491,4 +491,8 @@ class RunOwnershipTest(tf.test.TestCase):
 
 
 if __name__ == "__main__":
+    # The suite's logical CPUs (tests/conftest.py, which pytest loads): two ps tasks here
+    # need a device each.
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 3)
     tf.test.main()
