@@ -6,11 +6,12 @@ speed alone? (Issue 23's rule for a restructure: "the benchmarks' rates stay wit
 
 Each commit is checked out into a temporary git worktree and runs its own
 `benchmarks/rates.py` (its own harness, its own tfdist first on the path) once per repeat,
-the two commits alternating (before, after, before, after, ...), so both see the same spells
-of load; the worktrees are removed at the end, also on failure. Rows are matched by name; a
+the two commits alternating in ABBA order (before, after, after, before, ...), so both see the
+same spells of load; the worktrees are removed at the end, also on failure. Rows are matched by name; a
 row only one side has is listed apart. A row's figure is the median of its repeats with the
 min and max; two medians whose ranges overlap are "no difference" (the rule of `report.py`),
-and only rows whose ranges are apart get a ratio that means something.
+and only rows whose ranges are apart get a ratio that means something; each pair's ratio is
+listed too (a change that is slower in every pair shows it even inside wide ranges).
 
 `--only` keeps rows whose name contains one of its values (the all-reduce reference and the
 one-process limit always run inside `rates.py`); older harnesses read `--only` as a
@@ -96,9 +97,12 @@ def compare(runs, only=()):
             verdict = f"{a['median'] / b['median']:.2f}x (ranges apart)"
         else:
             verdict = "no difference (ranges overlap)"
+        pairs = [round(after[name] / before[name], 3)
+                 for before, after in zip(runs["before"], runs["after"])
+                 if before.get(name) and after.get(name) is not None]
         table[name] = {**cells, "ratio": (a["median"] / b["median"]
                                           if b["median"] and a["median"] else None),
-                       "verdict": verdict}
+                       "pair_ratios": pairs, "verdict": verdict}
     apart = {side: sorted(n for n in names[side] - names[other]
                           if not only or any(part in n for part in only))
              for side, other in (("before", "after"), ("after", "before"))}
@@ -112,14 +116,16 @@ def markdown(result):
              f"{s['num_workers']} workers, measured at `{result['stamp']['commit'][:12]}`'s "
              f"harness driver; load average before {result['stamp']['load_before']}, after "
              f"{result['stamp']['load_after']}. Updates per second: median (min-max).", "",
-             "| row | before | after | after / before |", "|---|---|---|---|"]
+             "| row | before | after | after / before | each pair's after / before |",
+             "|---|---|---|---|---|"]
     if result["stamp"].get("driver"):
         lines[4:4] = [f"Run by {result['stamp']['driver']}.", ""]
     for name, row in result["rows"].items():
         cell = [("-" if row[side]["median"] is None else
                  f"{row[side]['median']:.1f} ({row[side]['min']:.1f}-{row[side]['max']:.1f})")
                 for side in SIDES]
-        lines.append(f"| {name} | {cell[0]} | {cell[1]} | {row['verdict']} |")
+        pairs = ", ".join(f"{r:.2f}" for r in row.get("pair_ratios", [])) or "-"
+        lines.append(f"| {name} | {cell[0]} | {cell[1]} | {row['verdict']} | {pairs} |")
     for side, names in result["only_one_side"].items():
         if names:
             lines.append(f"\nRows only {side}: " + ", ".join(names) + ".")
@@ -158,7 +164,9 @@ def main(argv):
                 trees[side] = os.path.join(tmp, side)
                 _git("worktree", "add", "--detach", trees[side], commits[side])
             for repeat in range(FLAGS.repeats):
-                for side in SIDES:
+                # ABBA: each commit goes first as often as the other (a load that drifts
+                # over a pair favours neither).
+                for side in (SIDES if repeat % 2 == 0 else SIDES[::-1]):
                     out = os.path.join(tmp, f"{side}_{repeat}")
                     with open(out + ".log", "w") as log:
                         rows, error = run_rates(trees[side], out, log)

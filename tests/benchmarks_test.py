@@ -332,7 +332,9 @@ class BeforeAfterTest(tf.test.TestCase):
                               "num_workers": 2}}
         text = before_after.markdown({"stamp": stamp, **result})
         self.assertIn("`aaaaaaaaaaaa` -> `bbbbbbbbbbbb`", text)
-        self.assertIn("| sync | 5.5 (5.0-6.0) | 9.0 (8.0-10.0) | 1.64x (ranges apart) |", text)
+        self.assertIn("| sync | 5.5 (5.0-6.0) | 9.0 (8.0-10.0) | 1.64x (ranges apart) | "
+                      "1.80, 1.33, 1.82 |", text)
+        self.assertEqual(result["rows"]["async"]["pair_ratios"], [1.15, 1.083, 0.818])
         self.assertIn("Rows only before: old.", text)
         # One run a side has no spread: its ratio is not called a difference.
         one = before_after.compare({side: r[:1] for side, r in runs.items()}, only=["sync"])
