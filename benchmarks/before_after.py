@@ -9,9 +9,10 @@ Each commit is checked out into a temporary git worktree and runs its own
 the two commits alternating in ABBA order (before, after, after, before, ...), so both see
 the same spells of load; the worktrees are removed at the end, also on failure. Rows are
 matched by name; a row only one side has is listed apart. A row's figure is the median of
-its repeats with the min and max; two medians whose ranges overlap are "no difference" (the rule of `report.py`),
-and only rows whose ranges are apart get a ratio that means something; each pair's ratio is
-listed too (a change that is slower in every pair shows it even inside wide ranges).
+its repeats with the min and max; two medians whose ranges overlap are "no difference" (the
+rule of `report.py`), and only rows whose ranges are apart get a ratio that means
+something; each pair's ratio is listed too (a change that is slower in every pair shows it
+even inside wide ranges).
 
 `--only` keeps rows whose name contains one of its values (the all-reduce reference and the
 one-process limit always run inside `rates.py`); older harnesses read `--only` as a
