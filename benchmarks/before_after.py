@@ -133,11 +133,23 @@ def markdown(result):
     return "\n".join(lines) + "\n"
 
 
+def only_flags(worktree, only):
+    """`rates.py`'s `--only` flags for the harness at `worktree`: one per value where it is
+    repeatable; where it is a comma-separated list (older harnesses, where a repeated flag
+    keeps only its last value) one flag of every value joined, a value with a comma then
+    matching more rows than asked, which `compare` filters out."""
+    if not only:
+        return []
+    with open(os.path.join(worktree, "benchmarks", "rates.py")) as f:
+        listed = 'DEFINE_list("only"' in f.read()
+    return [f"--only={','.join(only)}"] if listed else [f"--only={part}" for part in only]
+
+
 def run_rates(worktree, out, log):
     """One `rates.py --repeats=1` of the commit checked out at `worktree`."""
     command = [sys.executable, os.path.join("benchmarks", "rates.py"), "--repeats=1",
                f"--num_workers={FLAGS.num_workers}", f"--out={out}"]
-    command += [f"--only={part}" for part in FLAGS.only]
+    command += only_flags(worktree, FLAGS.only)
     env = {**os.environ, "PYTHONPATH": worktree}
     try:
         done = subprocess.run(command, cwd=worktree, env=env, stdout=log, stderr=log,

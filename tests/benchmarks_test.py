@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 
 import tensorflow as tf
 
@@ -341,6 +342,22 @@ class BeforeAfterTest(tf.test.TestCase):
         self.assertEqual(one["rows"]["sync"]["verdict"],
                          "1.80x (one run: no spread to judge it by)")
         self.assertEqual(one["only_one_side"], {"before": [], "after": []})
+
+    def test_only_reaches_a_list_flag_harness_as_one_flag(self):
+        # An older rates.py reads `--only` as a comma-separated list, a repeated flag keeping
+        # only its last value: it is given every value in one flag (a value with a comma
+        # then matches more rows, which `compare` filters out); a newer one each apart.
+        only = ["model averaging", "async, 2 ps"]
+        for source, want in (('flags.DEFINE_list("only", [], "Rows.")',
+                              ["--only=model averaging,async, 2 ps"]),
+                             ('flags.DEFINE_multi_string("only", [], "Rows.")',
+                              ["--only=model averaging", "--only=async, 2 ps"])):
+            tree = tempfile.mkdtemp(dir=self.get_temp_dir())
+            os.makedirs(os.path.join(tree, "benchmarks"))
+            with open(os.path.join(tree, "benchmarks", "rates.py"), "w") as f:
+                f.write(source)
+            self.assertEqual(before_after.only_flags(tree, only), want)
+            self.assertEqual(before_after.only_flags(tree, []), [])
 
 
 class FaultsReportTest(tf.test.TestCase):
