@@ -162,11 +162,13 @@ def one_process_reference(out, optimizer, epochs, model="mlp"):
 class CompressedPushTest(tf.test.TestCase, parameterized.TestCase):
     """Compressed pushes: each worker encodes, the updater decodes on ps task 0."""
 
-    @parameterized.parameters(("soft_sync", "fp16", 2), ("soft_sync", "qsgd", 1),
-                              ("async", "randomk", 2))
+    @parameterized.parameters(("soft_sync", "fp16", 2), ("async", "randomk", 2))
     def test_compressed_push_trains(self, strategy, compression, num_ps):
-        # With 2 ps tasks each compresses and decodes its shard (a kernel split by rows).
-        # qsgd codes each variable with its own norms (a payload per variable).
+        # With 2 ps tasks each compresses and decodes its shard (a kernel split by rows);
+        # random-k's ps redraws the worker's choice from the push's key. (A codec that codes
+        # each variable apart, qsgd's per-variable norms, makes a payload per variable:
+        # `tests/ps/protocol_test.py`'s push units, in one process; its cluster run was
+        # folded away for the suite's time.)
         out = self.get_temp_dir()
         cluster, result = run_cluster(out, 2, "--scenario=equivalence", "--epochs=3",
                                       f"--strategy={strategy}",
@@ -179,11 +181,8 @@ class CompressedPushTest(tf.test.TestCase, parameterized.TestCase):
         self.assertEqual(dense, 4 * (8 * 16 + 16 + 16 * 2 + 2))
         compressor = tfdist.compression.get(compression)
         self.assertLen(chief["placement"], num_ps)
-        if compressor.capabilities.per_tensor:  # one ps task, the model's 4 variables coded apart
-            want = sum(compressor.payload_bytes([n], tf.float32) for n in (128, 16, 32, 2))
-        else:
-            want = sum(compressor.payload_bytes([task["bytes_pushed"] // 4], tf.float32)
-                       for task in chief["placement"])
+        want = sum(compressor.payload_bytes([task["bytes_pushed"] // 4], tf.float32)
+                   for task in chief["placement"])
         self.assertEqual(history["bytes_sent"][-1], want)
         # On the wire a worker also sends its tag and rank and receives its shard of the
         # model, uncompressed: the ratio is dense over compressed round trips, under 2x.
