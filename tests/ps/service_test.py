@@ -14,13 +14,13 @@ from tfdist.cluster import ClusterConfig
 from tfdist.ps import protocol
 from tfdist.ps import wire
 from tfdist.ps.admission import refused_import
-from tfdist.ps.client import RunError
 from tfdist.ps.client import ShardClient
 from tfdist.ps.client import agree_on_one_run
 from tfdist.ps.client import check_one_run
 from tfdist.ps.membership import BadControlMessage
 from tfdist.ps.membership import control_message
 from tfdist.ps.service import PSService
+from tfdist.ps.spec import RunError
 from tfdist.ps.spec import ShardSpec
 from tfdist.ps.worker import job_id
 

@@ -277,6 +277,51 @@ class TableVariableTest(tf.test.TestCase):
         again.joined(initialized=True)
         self.assertAllEqual(table.numpy(), -value)
 
+    def test_a_whole_read_or_write_refuses_parts_a_later_run_took(self):
+        # Issue 22: a worker back after its run finished takes the run's final weights, its
+        # tables read from the ps tasks when it saves; a later run of the same model (this
+        # job started again, another job) rewrites the parts in between. Its save must not
+        # hold the later run's table as if it were its own run's, nor write over it.
+        table, value = _table()
+        runs = {id(master): f"run-a{shard}" for shard, (master, _) in enumerate(table.parts)}
+        table.claim(runs)
+        table.joined(initialized=True, runs=runs)
+        self.assertAllEqual(table.numpy(), value)
+
+        def later_run():
+            later = tables.TableVariable.create(table._tfdist_path, [ROWS, WIDTH], tf.float32,
+                                                _parts(((0, 12), (12, ROWS))),
+                                                initial_value=lambda: tf.zeros([ROWS, WIDTH]))
+            later_runs = {id(master): f"run-b{shard}"
+                          for shard, (master, _) in enumerate(later.parts)}
+            later.claim(later_runs)  # its chief: the owners first, then the rows
+            later.initialize(force=True)
+            later.joined(initialized=True, runs=later_runs)
+            return later
+
+        # The later run starts while the read is under way (after its first chunk): the
+        # chunks read before are the finished run's, those after the later run's.
+        chunks, started = table._chunks, []
+
+        def overlapped(parts=None):
+            for chunk in chunks(parts):
+                yield chunk
+                if not started:
+                    started.append(later_run())
+
+        refused = (r"embedding table test\d+/embeddings: its rows 0:12 on \S+CPU:0 belong to "
+                   r"run run-b0 now, not to run run-a0 this worker is in.*ModelCheckpoint")
+        with mock.patch.object(table, "_chunks", overlapped):
+            with self.assertRaisesRegex(tables.RunError, refused):
+                table.numpy()
+        self.assertAllEqual(started[0].numpy(), np.zeros([ROWS, WIDTH]))
+        for read in (table.numpy, lambda: table.assign(value),
+                     lambda: tf.train.Checkpoint(table=table).write(
+                         os.path.join(self.get_temp_dir(), "ckpt"))):
+            with self.assertRaisesRegex(tables.RunError, refused):
+                read()
+        self.assertAllEqual(started[0].numpy(), np.zeros([ROWS, WIDTH]))
+
     def test_initialize_writes_only_parts_that_hold_nothing(self):
         table, value = _table()
         path = table._tfdist_path

@@ -30,6 +30,7 @@ from tfdist.ps.push import GradientPush
 from tfdist.ps.push_codec import PushCodec
 from tfdist.ps.shard_optimizer import RunFailed
 from tfdist.ps.snapshot import consistent_reads
+from tfdist.ps.spec import RunError
 from tfdist.ps.spec import ShardSpec
 from tfdist.ps.updater import ShardUpdateGraph
 from tfdist.ps.updater import shard_push_dtypes
@@ -654,6 +655,13 @@ class ClientPackTest(tf.test.TestCase):
 
     def test_a_push_with_table_rows_arrives_whole_and_its_reply_comes_back(self):
         table0 = np.arange(12, dtype=np.float32).reshape(6, 2)
+        # Variables on the ps task read once the reply is taken travel in its pack, each
+        # exactly: float32, the two words of a float64, a float16 (model averaging's
+        # learning rate).
+        with tf.device(DEVICE):
+            reads = [tf.Variable(0.1, dtype=tf.float32),
+                     tf.Variable([0.1, 1e-300], dtype=tf.float64),
+                     tf.Variable([[0.1]], dtype=tf.float16)]
         shard = Shard([entry("d/w", [2]),
                        entry("e/embeddings", [6, 2], role="table", table=True, rows=[0, 6])],
                       SoftSyncPolicy(1, 2), {"d/w": [1.0, 2.0], "e/embeddings": table0},
@@ -668,7 +676,7 @@ class ClientPackTest(tf.test.TestCase):
                                       tf.TensorSpec([None], tf.float32)])
         def push(rows, row_values):
             return client.push_and_receive(0, [tf.constant([1.0, -1.0]), rows, row_values],
-                                           tf.zeros([0]))
+                                           tf.zeros([0]), reads)
 
         replies = []
         thread = threading.Thread(daemon=True, target=lambda: replies.append(push(
@@ -683,7 +691,10 @@ class ClientPackTest(tf.test.TestCase):
         shard.serve(required=1)
         thread.join(timeout=60)
         self.assertFalse(thread.is_alive(), "no reply came back")
-        token, _, values, dropped = replies[0]
+        token, _, values, dropped, read = replies[0]
+        for variable, value in zip(reads, read, strict=True):
+            self.assertEqual(value.dtype, variable.dtype)
+            self.assertAllEqual(value, variable.numpy())
         self.assertEqual(int(token), 1)
         self.assertFalse(bool(dropped))
         self.assertAllClose(values, [0.5, 2.5])   # the dense part: w - 0.5 * g
@@ -692,6 +703,34 @@ class ClientPackTest(tf.test.TestCase):
         want[3] -= 0.5 * np.array([2.0, 2.0])
         self.assertAllClose(shard.value("e/embeddings"), want)
 
+
+    def test_sync_says_the_run_ended_only_when_its_queues_closed_or_freed(self):
+        def client_of(shard):
+            connection = types.SimpleNamespace(rank=1, ps_devices=[DEVICE],
+                                               ps_names=["/job:ps/task:0"], host_device=DEVICE)
+            client = ShardClient(connection, 0)
+            client.num_workers, client.push_queue = 2, shard.queue
+            client.reply_queue, client.run = shard.reply_queues[1], shard.run
+            client.push_dtypes = shard.push_dtypes
+            return client
+
+        closed, freed = (Shard([entry("d/w", [2])], SoftSyncPolicy(1, 2), {"d/w": [1.0, 2.0]},
+                               optimizer=sgd(0.5)) for _ in range(2))
+        client = client_of(closed)
+        # Another error (here the push's components of the wrong types; a ps task out of
+        # reach, stopped) is raised as it is, for the caller to name the ps task.
+        client.push_dtypes = [tf.int64, tf.int32, tf.int64]
+        with self.assertRaises(tf.errors.InvalidArgumentError):
+            client.sync()
+        client.push_dtypes = closed.push_dtypes
+        for queue in (closed.queue, closed.reply_queues[1]):  # the run ended
+            tf.raw_ops.QueueCloseV2(handle=queue)
+        with self.assertRaisesRegex(RunError, f"/job:ps/task:0: run {closed.run} has ended"):
+            client.sync()
+        for queue in (freed.queue, freed.reply_queues[1]):  # a later run tore it down
+            tf.raw_ops.DestroyResourceOp(resource=queue)
+        with self.assertRaisesRegex(RunError, f"/job:ps/task:0: run {freed.run} has ended"):
+            client_of(freed).sync()
 
 
 def worker_of(shard, rank, compressor=None):

@@ -6,9 +6,11 @@ import typing
 
 import tensorflow as tf
 
+from tfdist import _bitcast
 from tfdist.ps import protocol
 from tfdist.ps import wire
 from tfdist.ps.snapshot import ShardSnapshot
+from tfdist.ps.spec import RunError
 from tfdist.ps.spec import spec_of
 
 # The largest payload (bytes) that travels packed with the push's head and values.
@@ -29,8 +31,10 @@ def _pack_kind(tensor):
     return _INTS if tensor.dtype == tf.int64 else _BESIDE
 
 
-class RunError(RuntimeError):
-    """A ps task refused this worker, or its run failed."""
+# What a closed run's queues raise: closed (a push, a dequeue of the empty queue), or
+# freed. Any other error (the ps task unreachable, stopped) is not "the run ended", and is
+# raised as it is, for the caller to name the ps task (`unreachable_ps`).
+_RUN_ENDED = (tf.errors.CancelledError, tf.errors.OutOfRangeError, tf.errors.NotFoundError)
 
 
 class Reply(typing.NamedTuple):
@@ -42,12 +46,15 @@ class Reply(typing.NamedTuple):
       values: the shard's flat values (`protocol.ShardLayout.split_reply`).
       dropped: (a bool tensor) the push it answers was dropped as stale, its weights are
         the current ones; False for the answer to a SYNC.
+      reads: the values of the variables `push_and_receive` was asked to read on the ps
+        task once the reply was taken (`reads`).
     """
 
     token: typing.Any
     stats: typing.Any
     values: typing.Any
     dropped: typing.Any = False
+    reads: tuple = ()
 
 
 def _unclaimed(answer):
@@ -233,9 +240,11 @@ class ShardClient:
 
     # In-graph (or eager) ---------------------------------------------------------------------
 
-    def push_and_receive(self, tag, payload, values):
+    def push_and_receive(self, tag, payload, values, reads=()):
         """Pushes, then takes this worker's reply (a `Reply`: whether the push was dropped
-        comes with it).
+        comes with it). `reads`: floating variables on this ps task, read once the reply is
+        taken; their values come back in the reply's pack (`Reply.reads`), not as a read
+        of their own after it (a round trip more).
 
         One tensor travels each way where it can: every tensor that crosses to or from the
         ps within a step is an RPC of its own, and the ps's CPU per round trip doubles
@@ -286,12 +295,17 @@ class ShardClient:
                 dropped = tf.cast(tf.equal(message, protocol.DROPPED_MESSAGE), tf.int64)
             with tf.control_dependencies([check]):
                 reply = tf.concat([wire.ints_as_floats(tf.concat(
-                    [token[None], dropped[None], stats], 0)), values], axis=0)
+                    [token[None], dropped[None], stats], 0)),
+                    *[_bitcast.as_float32_words(v.read_value()) for v in reads], values],
+                    axis=0)
         ints = 2 * (2 + protocol.num_stats(self.num_workers))
+        sizes = [_bitcast.float32_words_size(v.dtype, v.shape) for v in reads]
         with tf.device(self.connection.host_device):  # the token and stats go to host variables
-            head, values = tf.split(reply, [ints, -1])
+            head, *words, values = tf.split(reply, [ints, *sizes, -1])
             head = wire.floats_as_ints(head)
-        return Reply(head[0], head[2:], values, tf.not_equal(head[1], 0))
+            read = tuple(_bitcast.from_float32_words(w, v.dtype, v.shape)
+                         for w, v in zip(words, reads))
+        return Reply(head[0], head[2:], values, tf.not_equal(head[1], 0), read)
 
     def _dequeue(self):
         with tf.device(self.device):
@@ -310,19 +324,21 @@ class ShardClient:
 
         Replies meant for an earlier process of this rank (a restarted worker) are skipped.
         A run that ended (its queues closed) may have left why in this worker's reply
-        queue (a run that failed tells every worker in it): that is raised.
+        queue (a run that failed tells every worker in it): that is raised. A run whose
+        queues are closed or freed raises `RunError`; any other error (the ps task out of
+        reach) is raised as TensorFlow's, which the worker's `leave()` at exit names.
         """
         with tf.init_scope():
             try:
                 self.send_control(protocol.SYNC)
             except tf.errors.CancelledError:
                 pass  # the run closed its queues: why, if it said, waits in the reply queue
-            except tf.errors.OpError:
+            except _RUN_ENDED:
                 raise RunError(f"{self.task}: run {self.run} has ended") from None
             while True:
                 try:
                     token, message, stats, values = self._dequeue()
-                except tf.errors.OpError:
+                except _RUN_ENDED:
                     raise RunError(f"{self.task}: run {self.run} has ended") from None
                 message = message.numpy().decode("utf-8", "replace")
                 if int(token) < 0:

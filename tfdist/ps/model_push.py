@@ -146,17 +146,21 @@ class ModelPush(Push):
                                                  name="tfdist_base")
         return self._bases[shard]
 
-    def on_reply(self, shard, values):
+    def reply_reads(self, shard):
+        # The learning rate's master (the chief's last write) on ps task 0, the copy its
+        # reads take, read there once the round's reply is taken: when every worker's model
+        # makes a round, the chief's write before its push is seen by all. It travels in the
+        # reply's pack (a scalar a round, no round trip of its own).
+        if shard != 0:
+            return []
+        return [self.engine._clients[0].masters[rate._tfdist_path] for rate in self._rates]
+
+    def on_reply(self, shard, values, reads):
         layout = self.engine._layouts[shard]
         updates = [self.rows.take(part, ids, rows) for part, (ids, rows) in zip(
             self.engine._row_parts[shard], layout.reply_rows(values))]
-        if shard == 0 and self._rates:
-            # The learning rate is the master's (the chief's last write), read once the
-            # round's reply is here: when every worker's model makes a round, the chief's
-            # write before its push is seen by all (a scalar read a round, on ps task 0).
-            with tf.control_dependencies([values]):
-                updates += [rate.assign(rate.master_value(), read_value=False)
-                            for rate in self._rates]
+        updates += [rate.assign(value, read_value=False)
+                    for rate, value in zip(self._rates, reads)]
         if self.engine._codec is not None:
             updates.append(self._base(shard).assign(values[:layout.main_size]))
         return updates

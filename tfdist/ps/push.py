@@ -99,8 +99,14 @@ class Push(abc.ABC):
         """The optimizers the ps tasks rebuild (they import a custom one's module)."""
         return []
 
-    def on_reply(self, shard, values):
-        """Updates to run when `shard`'s reply (its flat values) lands."""
+    def reply_reads(self, shard):
+        """Variables on `shard`'s ps task whose values come back with its reply
+        (`ShardClient.push_and_receive`'s `reads`; `on_reply` gets them)."""
+        return []
+
+    def on_reply(self, shard, values, reads):
+        """Updates to run when `shard`'s reply (its flat values, and the values of the
+        variables `reply_reads` named) lands."""
         return []
 
     def pushed_rows(self, shard):

@@ -149,7 +149,8 @@ class PushCodec:
         tag and rank, the state values it carries, the payload, and the row pairs
         `pushed_rows[shard]`: a table's gradient rows and ids, a table averaged by rows'
         changed rows), each reply (its token, its dropped flag, progress and the worker's
-        shard of the model, with the rows a round of a table averaged by rows changed:
+        shard of the model, the ps variables it was asked to read (model averaging's learning
+        rate), with the rows a round of a table averaged by rows changed:
         replies are never compressed, so the push path's ratio is at most about 2x), and
         what the step's lookups of tables kept on the ps moved (ids out, rows back:
         `tfdist.ps.tables.take_read_bytes`). Rows travel uncompressed."""
@@ -159,6 +160,7 @@ class PushCodec:
         for values, reply, rows in zip(pushed_values, replies, pushed_rows):
             common += 4 * (tf.size(values, out_type=tf.int64)
                            + tf.size(reply.values, out_type=tf.int64))
+            common += sum(read.dtype.size * read.shape.num_elements() for read in reply.reads)
             common += wire.row_pairs_bytes(rows)
         dense = 4 * sum(layout.main_size for layout in layouts)
         return [self._bytes_sent.assign(payload_bytes),

@@ -289,7 +289,8 @@ class ShardRun:
         """Frees the run's resources (when the next run starts: the telemetry of a finished
         run stays readable until then)."""
         handles = [self.push_queue, *self.reply_queues, self.update_lock, self.progress.handle,
-                   *[m.handle for m in self.masters.values()]]
+                   *[m.handle for m in self.masters.values()],
+                   *[o.handle for o in protocol.open_table_owners(self.device, self.spec)]]
         with tf.device(self.device):
             for handle in handles:
                 try:

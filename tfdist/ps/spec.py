@@ -25,6 +25,11 @@ ROWS = "rows"            # model averaging: a table (or its slot) every worker t
 ROLES = (GRADIENT, VALUE, AVERAGE, OPTIMIZER, TABLE, ROWS)
 PUSHED_ROLES = (GRADIENT, VALUE, AVERAGE)
 
+
+class RunError(RuntimeError):
+    """A ps task refused this worker, or its run failed."""
+
+
 # The fields of an entry that must agree between every worker of a run.
 _COMPARED_FIELDS = ("shape", "dtype", "role", "rows", "sparse", "outer", "table",
                     "read_rows")

@@ -16,7 +16,7 @@ from tfdist import _tf_compat
 from tfdist.ps import placement
 from tfdist.ps import protocol
 from tfdist.ps import wire
-from tfdist.ps.client import RunError
+from tfdist.ps.spec import RunError
 from tfdist.ps.spec import VariableEntry
 from tfdist.ps.tables import TableVariable
 from tfdist.ps.tables import check_step_reads
@@ -219,10 +219,26 @@ class TableSet:
         for table in self.all():
             table.initialize(force=True)
 
-    def joined(self, initialized):
-        """The worker joined a run (`initialized`: a new one, which `initialize` wrote)."""
+    def claim(self, runs):
+        """A new run, on its chief, before `initialize` writes it: every part is marked as
+        the run's (`runs`: the run on each ps task), so that a worker still reading an
+        earlier run's table sees the change before any row changes."""
+        by_part = self._by_part(runs)
         for table in self.all():
-            table.joined(initialized)
+            table.claim(by_part)
+
+    def joined(self, initialized, runs):
+        """The worker joined a run (`initialized`: a new one, which `initialize` wrote;
+        `runs`: the run on each ps task, which a whole read of a part checks it belongs to).
+        """
+        by_part = self._by_part(runs)
+        for table in self.all():
+            table.joined(initialized, by_part)
+
+    def _by_part(self, runs):
+        return {id(master): runs[shard]
+                for shard, masters in enumerate(self.part_masters(len(runs)))
+                for master in masters}
 
     def add_entries(self, entries, fields):
         """Joining a run: appends each part's spec entry to its ps task's `entries`

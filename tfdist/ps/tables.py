@@ -29,6 +29,7 @@ import tensorflow as tf
 from tfdist import _tf_compat
 from tfdist.ps import snapshot as snapshot_lib
 from tfdist.ps import variables as variables_lib
+from tfdist.ps.spec import RunError
 
 CONTAINER = "tfdist"
 # The most one message of a chunked read or write carries (gRPC's own limit is 2 GiB).
@@ -42,6 +43,13 @@ def part_name(path, rows):
     pass) must already hold the handle it will use.
     """
     return f"table/{path}/{rows[0]}:{rows[1]}"
+
+
+def owner_name(path, rows):
+    """The shared name of the string beside a part that names the run whose chief last
+    initialised it (`TableVariable.claim`): a part outlives its run, and a later run of a
+    model with the same table rewrites it (`TableVariable.read_in_chunks` checks)."""
+    return part_name(path, rows) + "/run"
 
 
 # The lookups of the replica step running (or being traced) in this thread, by table:
@@ -141,6 +149,9 @@ class TableVariable(_tf_compat.BaseResourceVariable):
         variable._tfdist_joined = False
         # The parts this worker wrote its initial value into since it last joined a run.
         variable._tfdist_written = set()
+        # Each part's owner string (`claim`), and the run this worker's is in, by part.
+        variable._tfdist_owners = {}
+        variable._tfdist_runs = {}
         return variable
 
     @property
@@ -271,6 +282,7 @@ class TableVariable(_tf_compat.BaseResourceVariable):
             return self._tfdist_pending.copy()
         if self.before_read is not None:
             self.before_read()
+        self._check_owners()
         out = np.empty(self.shape.as_list(), self.dtype.as_numpy_dtype)
         # Inside `tfdist.ps.snapshot.consistent_reads()`: each part's copy, taken on its ps
         # task between two updates with the rest of its shard.
@@ -289,6 +301,7 @@ class TableVariable(_tf_compat.BaseResourceVariable):
                         resource=master.handle, dtype=self.dtype,
                         indices=tf.range(begin - offset, end - offset, dtype=tf.int64))
             out[begin:end] = chunk.numpy()
+        self._check_owners()  # (a run that started during the read wrote some of it)
         return out
 
     def _part_begin(self, master):
@@ -342,10 +355,55 @@ class TableVariable(_tf_compat.BaseResourceVariable):
                 return
         self._write_parts(value, targets)
 
-    def joined(self, initialized):
+    def claim(self, runs):
+        """A new run, on its chief, once `initialize` wrote every part: each part's owner
+        names the run (`runs`: `{id(master): run}`, the run of the part's ps task)."""
+        with tf.init_scope():
+            for master, _ in self._tfdist_parts:
+                self._owner(master).assign(runs[id(master)], read_value=False)
+
+    def _owner(self, master):
+        """The string beside part `master` naming the run that owns it (`owner_name`)."""
+        if id(master) not in self._tfdist_owners:
+            rows = next(rows for m, rows in self._tfdist_parts if m is master)
+            self._tfdist_owners[id(master)] = variables_lib.open_shared_variable(
+                master.device, owner_name(self._tfdist_path, rows), [], tf.string, "run",
+                container=CONTAINER)
+        return self._tfdist_owners[id(master)]
+
+    def _check_owners(self):
+        """A whole read (a checkpoint, the model saved after `join()`) of a run's table
+        must be that run's: a later run of a model with this table (another job on these
+        ps tasks, or this job started again while a worker took a finished run's final
+        weights) rewrites the parts, which would otherwise be read, and saved, silently."""
+        if not self._tfdist_runs:
+            return  # not in a run yet: the parts hold no run's values
+        with tf.init_scope():
+            for master, rows in self._tfdist_parts:
+                owner = self._owner(master)
+                found = (owner.numpy().decode("utf-8", "replace")
+                         if variables_lib.is_initialized(owner) else None)
+                run = self._tfdist_runs[id(master)]
+                if found == run:
+                    continue
+                now = (f"belong to run {found} now" if found is not None else
+                       "belong to no run now (a later run freed them on the ps task)")
+                raise RunError(
+                    f"the embedding table {self._tfdist_path}: its rows {rows[0]}:{rows[1]} "
+                    f"on {master.device} {now}, not to run {run} this worker is in: a "
+                    "later run of a model with this table (another job on these ps tasks, "
+                    "or this job started again) took them, and they are neither read (nor "
+                    "saved) nor written as this run's. Take this run's model from its own "
+                    "checkpoint (`keras.callbacks.ModelCheckpoint`, `BackupAndRestore`), "
+                    "and give each job its own ps tasks")
+
+    def joined(self, initialized, runs=None):
         """The worker joined a run: the chief's value from before it (`load_weights`, a
         restored backup) became the run's if the run was new (`initialized`: `initialize`
-        wrote it), else the run's table stands, as for every master variable."""
+        wrote it), else the run's table stands, as for every master variable. `runs`
+        (`{id(master): run}`): the run of each part's ps task, which whole reads check
+        the part still belongs to (`claim`)."""
+        self._tfdist_runs = dict(runs or {})
         if self._tfdist_pending is not None and not initialized:
             logging.getLogger("tfdist").info(
                 "tfdist: the run in progress keeps its table %s; the value written before "
@@ -387,6 +445,7 @@ class TableVariable(_tf_compat.BaseResourceVariable):
             raise ValueError(f"the value written to table {self._tfdist_path} has shape "
                              f"{value.shape}, not {self.shape.as_list()}")
         if self._tfdist_joined:
+            self._check_owners()  # (a later run's table is not this run's to write)
             self._write_parts(value, self._tfdist_parts)
         else:
             # Before the run: the chief's value, written when it starts a new run (a run in
@@ -405,6 +464,7 @@ class TableVariable(_tf_compat.BaseResourceVariable):
         TF's `ShardedVariable` does), read and written on its ps task; a checkpoint of a
         table and of a plain variable of its shape are the same."""
         def saveables(name=self.name):
+            self._check_owners()  # (at each save and restore, before the parts are read)
             out = []
             for master, (begin, _) in self._tfdist_parts:
                 offset = [begin] + [0] * (len(self.shape) - 1)

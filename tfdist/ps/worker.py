@@ -295,7 +295,8 @@ class ParameterServerExtended(WorkerRunMixin, BetweenGraphExtendedMixin,
                                 *self._push.pushed_rows(shard)))
             payload = (*payload, *pushed_rows[-1])
             # Shards do not wait for each other: their round trips overlap.
-            replies.append(client.push_and_receive(tag, payload, values))
+            replies.append(client.push_and_receive(tag, payload, values,
+                                                   self._push.reply_reads(shard)))
             if keep_state is not None:
                 # The codec state of a push the ps dropped stays as it was (`push_codec`).
                 updates += keep_state(replies[-1].dropped)
@@ -317,7 +318,7 @@ class ParameterServerExtended(WorkerRunMixin, BetweenGraphExtendedMixin,
                 else:
                     split.setdefault(id(part.variable), (part.variable, []))[1].append(
                         (part.rows, value))
-            updates += self._push.on_reply(shard, values)
+            updates += self._push.on_reply(shard, values, reply.reads)
         for variable, parts in split.values():
             parts.sort(key=lambda p: p[0])
             updates += variable.assign_read(tf.concat([v for _, v in parts], axis=0))

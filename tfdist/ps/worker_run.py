@@ -18,11 +18,11 @@ from tfdist._process import end_with_last_word
 from tfdist.ps import placement
 from tfdist.ps import protocol
 from tfdist.ps import snapshot
-from tfdist.ps.client import RunError
 from tfdist.ps.client import ShardClient
 from tfdist.ps.client import agree_on_one_run
 from tfdist.ps.connection import PSWatchdog
 from tfdist.ps.push import check_split
+from tfdist.ps.spec import RunError
 from tfdist.ps.spec import ShardSpec
 from tfdist.ps.spec import VariableEntry
 from tfdist.ps.variables import Part
@@ -92,12 +92,19 @@ class WorkerRunMixin:
                             "this step)", answers[0]["run"], self._job,
                             self._connection.task_name)
             initialize = [a["initialize"] for a in answers]
+            runs = [a["run"] for a in answers]
             if any(initialize):
                 log.info("tfdist: %s initialises the run's master variables",
                          self._connection.task_name)
+                # The parts' owner first: a worker still reading a finished run's table
+                # (`TableVariable._check_owners`) sees the change before any row changes.
+                self._tables.claim(runs)
                 self._tables.initialize()  # on the ps tasks
             self._bind_mirrors(clients, initialize)
-            self._tables.joined(any(initialize))
+            self._tables.joined(any(initialize), runs)
+            if self.run_finished:
+                for table in self._tables.all():
+                    table.follow()  # nobody's writes reach a finished run's tables
             # A checkpoint reads each table part with the rest of its shard, between two
             # updates (`tfdist.ps.snapshot`).
             for client, parts in zip(clients, self._tables.part_masters(num_ps)):
