@@ -1,0 +1,1 @@
+"""The all-reduce engine under `tfdist.strategies`' all-reduce strategies (`engine`)."""
