@@ -26,7 +26,6 @@ from tfdist._tf_compat.distribute import OneDeviceReplicaContext
 from tfdist._tf_compat.distribute import PerReplica
 from tfdist._tf_compat.distribute import container_strategy
 from tfdist._tf_compat.distribute import cross_device_ops
-from tfdist._tf_compat.distribute import distribute_lib
 from tfdist._tf_compat.distribute import in_xla_context
 from tfdist._tf_compat.distribute import inside_while_loop
 from tfdist._tf_compat.distribute import one_device
@@ -62,7 +61,6 @@ from tfdist._tf_compat.runtime import ResourceVariableSaveable
 from tfdist._tf_compat.runtime import Trackable
 from tfdist._tf_compat.runtime import create_remote_session
 from tfdist._tf_compat.runtime import discard_remote_session
-from tfdist._tf_compat.runtime import handle_data_util
-from tfdist._tf_compat.runtime import resource_variable_ops
 from tfdist._tf_compat.runtime import set_handle_shape_and_dtype
 from tfdist._tf_compat.runtime import start_eager_context
+from tfdist._tf_compat.runtime import variable_accessed

@@ -8,10 +8,6 @@ The public `tf.distribute` API has no way to write a new strategy: a strategy is
 of `tfdist._tf_compat`, which re-exports every name here.
 """
 
-# A strategy is a `tf.distribute.Strategy` over a `StrategyExtended`; the one-device extended
-# is the base of the parameter-server family (one replica per worker process).
-from tensorflow.python.distribute import distribute_lib  # noqa: F401
-
 # The all-reduce family extends TF's own Mirrored / CollectiveAllReduce engines: compression
 # hooks into their `_batch_reduce_to` (where Keras's gradient all-reduce lands on CPU), and a
 # payload crosses devices as a `PerReplica`, the only type their cross-device ops accept.

@@ -45,6 +45,13 @@ def set_handle_shape_and_dtype(handle, shape, dtype):
         handle, handle_data, graph_mode=not tf.executing_eagerly())
 
 
+def variable_accessed(variable):
+    """Records a read of `variable` on the tapes and the `tf.function` being traced, as
+    TF's own variables do in their reads: a table kept on the ps reads its parts' handles
+    itself, and a gradient tape must still watch the table (checked on TF 2.21)."""
+    resource_variable_ops.variable_accessed(variable)
+
+
 def start_eager_context():
     """Starts this process's eager context now (with it, the server of a cluster it was
     connected to), which TensorFlow otherwise starts at the first op."""

@@ -168,7 +168,7 @@ class TableVariable(_tf_compat.BaseResourceVariable):
     def sparse_read(self, indices, name=None):
         """The rows `indices` (any shape), gathered on the ps tasks that hold them."""
         del name
-        _tf_compat.resource_variable_ops.variable_accessed(self)
+        _tf_compat.variable_accessed(self)
         indices = tf.convert_to_tensor(indices)
         parts = self._tfdist_parts
         shape = self.shape
