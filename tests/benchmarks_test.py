@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.dirname(_PATH))
 import before_after  # noqa: E402
 import machine  # noqa: E402
 import report  # noqa: E402
+import step_ops  # noqa: E402
 
 
 def _report_of(out, results):
@@ -359,6 +361,41 @@ class BeforeAfterTest(tf.test.TestCase):
             self.assertEqual(before_after.only_flags(tree, only), want)
             self.assertEqual(before_after.only_flags(tree, []), [])
 
+
+class StepOpsTest(tf.test.TestCase):
+
+    def test_every_op_of_a_step_is_counted_and_two_steps_compared(self):
+        @tf.function
+        def step(x):
+            return tf.cond(x > 0, lambda: x * 2.0, lambda: x + 1.0)
+
+        graph_def = step.get_concrete_function(
+            tf.TensorSpec([], tf.float32)).graph.as_graph_def()
+        ops = step_ops.graph_ops(graph_def)
+        # The branches' ops live in the graph's function library: they count too.
+        self.assertEqual((ops["Mul"], ops["AddV2"]), (1, 1))
+        self.assertEqual(sum(ops.values()),
+                         len(graph_def.node) + sum(len(f.node_def)
+                                                   for f in graph_def.library.function))
+        # A node's signature holds what it does, not its name or its function's trace number.
+        signatures = step_ops.graph_signatures(graph_def)
+        self.assertEqual(sum(signatures.values()), sum(ops.values()))
+        self.assertTrue(any(s.startswith("If ") or s.startswith("StatelessIf ")
+                            for s in signatures), signatures)
+        self.assertFalse(any(re.search(r"branch=\S+_\d+\b", s) for s in signatures))
+        before = {"steps": {"async": {"ops": {"Mul": 1, "Send": 2}},
+                            "soft_sync": {"ops": {"Mul": 1}, "signatures": {"Mul @ (2 in)": 1}},
+                            "hard": {"ops": {"Mul": 1}, "signatures": {"Mul @ (2 in) T=f": 1}}}}
+        after = {"steps": {"async": {"ops": {"Mul": 1, "Send": 3, "Recv": 1}},
+                           "soft_sync": {"ops": {"Mul": 1}, "signatures": {"Mul @ (2 in)": 1}},
+                           "hard": {"ops": {"Mul": 1}, "signatures": {"Mul @ (3 in) T=f": 1}},
+                           "sgp": {"ops": {}}}}
+        self.assertEqual(step_ops.compare(before, after),
+                         ["async: differs: Recv 0 -> 1, Send 2 -> 3",
+                          "hard: differs: the same op counts",
+                          "  1 -> 0: Mul @ (2 in) T=f", "  0 -> 1: Mul @ (3 in) T=f",
+                          "sgp: only after",
+                          "soft_sync: the same step, node for node"])
 
 class FaultsReportTest(tf.test.TestCase):
 
