@@ -12,6 +12,7 @@ import threading
 import tensorflow as tf
 
 from tfdist import _tf_compat
+from tfdist._args import check_seconds
 from tfdist.cluster.network import is_listening
 
 # Answers of `ServerProbe`.
@@ -67,10 +68,7 @@ class ServerProbe:
     """
 
     def __init__(self, timeout=PROBE_TIMEOUT, report_restarts=False):
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"`timeout` must be a positive number of seconds. "
-                             f"Received: {timeout!r}")
-        self.timeout = timeout
+        self.timeout = check_seconds("timeout", timeout)
         self.report_restarts = report_restarts
         self.errors = {}  # address: why its last probe did not answer
         self._sessions = {}  # address: the session kept on its server

@@ -29,6 +29,7 @@ import uuid
 from typing import Dict
 from typing import Optional
 
+from tfdist._args import check_bool
 from tfdist._args import check_int
 from tfdist._args import check_seconds
 from tfdist._process import die_with
@@ -195,9 +196,7 @@ class LocalCluster:
             raise ValueError(f"`outbound_network` must be 'auto' or False. Received: "
                              f"{outbound_network!r}")
         self.outbound_network = outbound_network
-        if not isinstance(preload, bool):
-            raise ValueError(f"`preload` must be True or False. Received: {preload!r}")
-        self.preload = preload
+        self.preload = check_bool("preload", preload)
         if bandwidth is not None:
             parse_bandwidth(bandwidth)
             if isolate_network is False:
