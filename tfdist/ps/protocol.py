@@ -31,7 +31,7 @@ from tfdist.ps.spec import TABLE  # noqa: F401  (the worker side's name for it)
 from tfdist.ps.spec import VALUE
 from tfdist.ps.spec import entry_of
 from tfdist.ps.spec import spec_of
-from tfdist.ps.tables import owner_name
+from tfdist.ps.tables import open_owner
 from tfdist.ps.tables import part_name
 from tfdist.ps.variables import open_shared_variable
 
@@ -107,9 +107,7 @@ def open_run_variables(device, run, spec):
 def open_table_owners(device, spec):
     """The strings beside the table parts of `spec` naming the run that owns each
     (`tfdist.ps.tables.owner_name`): freed with the parts when the run is torn down."""
-    return [open_shared_variable(device, owner_name(e.path, e.rows), [], tf.string, "run",
-                                 container=CONTAINER)
-            for e in spec_of(spec).variables if e.table]
+    return [open_owner(device, e.path, e.rows) for e in spec_of(spec).variables if e.table]
 
 
 def open_update_lock(device, run):

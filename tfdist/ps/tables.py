@@ -52,6 +52,12 @@ def owner_name(path, rows):
     return part_name(path, rows) + "/run"
 
 
+def open_owner(device, path, rows):
+    """The owner string (`owner_name`) of the part `rows` of table `path`, on `device`."""
+    return variables_lib.open_shared_variable(device, owner_name(path, rows), [], tf.string,
+                                              "run", container=CONTAINER)
+
+
 # The lookups of the replica step running (or being traced) in this thread, by table:
 # `{id(table): [(ids, rows)]}`, or None outside a step; and the bytes each lookup of the step
 # moved (`take_read_bytes`).
@@ -356,8 +362,8 @@ class TableVariable(_tf_compat.BaseResourceVariable):
         self._write_parts(value, targets)
 
     def claim(self, runs):
-        """A new run, on its chief, once `initialize` wrote every part: each part's owner
-        names the run (`runs`: `{id(master): run}`, the run of the part's ps task)."""
+        """A new run, on its chief, before `initialize` writes it: each part's owner names
+        the run (`runs`: `{id(master): run}`, the run of the part's ps task)."""
         with tf.init_scope():
             for master, _ in self._tfdist_parts:
                 self._owner(master).assign(runs[id(master)], read_value=False)
@@ -366,9 +372,8 @@ class TableVariable(_tf_compat.BaseResourceVariable):
         """The string beside part `master` naming the run that owns it (`owner_name`)."""
         if id(master) not in self._tfdist_owners:
             rows = next(rows for m, rows in self._tfdist_parts if m is master)
-            self._tfdist_owners[id(master)] = variables_lib.open_shared_variable(
-                master.device, owner_name(self._tfdist_path, rows), [], tf.string, "run",
-                container=CONTAINER)
+            self._tfdist_owners[id(master)] = open_owner(master.device, self._tfdist_path,
+                                                         rows)
         return self._tfdist_owners[id(master)]
 
     def _check_owners(self):
