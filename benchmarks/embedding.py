@@ -63,6 +63,7 @@ from machine import finish
 from machine import load_note
 from machine import loopback_counters
 from machine import peak_resident_bytes
+from machine import resume_problems
 from machine import stamp
 
 FLAGS = flags.FLAGS
@@ -94,6 +95,9 @@ flags.DEFINE_float("min_available_memory_gib", 2.0, "A run is stopped (and recor
                    lower_bound=0)
 flags.DEFINE_bool("quick", False, "Quick size: V 100k and 1M, 2 workers, 1 ps, 1 repeat, "
                   "short windows (a few minutes; not for quoting).")
+flags.DEFINE_bool("resume", False, "Carry on the run in --out.json (measured at this commit, "
+                  "a clean tree, the same settings): the runs it holds are kept and the "
+                  "rest made in the same interleaved order.")
 flags.DEFINE_string("out", os.path.join("benchmarks", "results", "embedding"),
                     "Output path without extension.")
 
@@ -359,11 +363,15 @@ def main(argv):
     results = {"stamp": stamp(settings), "settings": settings,
                "estimates": {str(rows): estimates(rows) for rows in rows_list}, "cells": []}
     runs = {(cell, rows): [] for rows in rows_list for cell in cells}
+    if FLAGS.resume:
+        results = resumed(results, runs)
     for repeat in range(FLAGS.repeats):
         for rows in rows_list:
             for system, workers, num_ps in cells:
                 if system == "one_process_global" and repeat:
                     continue  # seeded, one process: its accuracy is the same every run
+                if len(runs[((system, workers, num_ps), rows)]) > repeat:
+                    continue  # made in an earlier sitting (--resume)
                 before, start = load_note()["load_average_1_5_15"], time.monotonic()
                 if system == "peer":
                     figures = run_peer(rows, workers, num_ps)
@@ -388,6 +396,32 @@ def main(argv):
                 _write(results, runs, complete=False)
     _write(results, runs, complete=True)
     print(f"wrote {FLAGS.out}.json", flush=True)
+
+
+def resumed(results, runs):
+    """`results` carried on from --out.json: its stamp (the load at its start, each sitting's
+    start added) and its runs put into `runs`, once the file is found to be a run of this
+    commit, from a clean tree, with these settings."""
+    path = FLAGS.out + ".json"
+    if not os.path.exists(path):
+        raise app.UsageError(f"--resume: {path} does not exist: nothing to carry on (run "
+                             f"without --resume)")
+    with open(path) as f:
+        earlier = json.load(f)
+    now, then = results["stamp"], earlier.get("stamp", {})
+    problems = resume_problems(then, now, earlier.get("settings"), results["settings"])
+    if problems:
+        raise app.UsageError(f"--resume: {path} cannot be carried on: {'; '.join(problems)}")
+    for cell in earlier["cells"]:
+        key = ((cell["system"], cell["workers"], cell["ps"]), cell["rows"])
+        if key in runs:
+            runs[key].extend(cell["runs"])
+    sittings = then.get("sittings", [{"load_before": then.get("load_before")}])
+    stamp_now = dict(then, sittings=[*sittings, {"load_before": now["load_before"]}])
+    made = sum(len(r) for r in runs.values())
+    print(f"resuming {path}: {made} runs kept, sitting {len(stamp_now['sittings'])}",
+          flush=True)
+    return dict(results, stamp=stamp_now)
 
 
 def _write(results, runs, complete):

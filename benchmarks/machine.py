@@ -62,6 +62,26 @@ def finish(run_stamp):
     return {**run_stamp, "load_after": load_note()["load_average_1_5_15"]}
 
 
+def resume_problems(then, now, settings_then=None, settings_now=None):
+    """Why a run stamped `then` (its `code_note`) cannot be carried on by one stamped `now`:
+    another commit, a dirty tree on either side, other settings (each a dict, the key
+    `complete` aside). An empty list: it can."""
+    problems = []
+    if then.get("commit") != now.get("commit"):
+        problems.append(f"it was measured at commit {then.get('commit')}, this checkout is "
+                        f"{now.get('commit')}")
+    if then.get("dirty") or now.get("dirty"):
+        problems.append("a run is only carried on from a clean tree (tfdist/ and benchmarks/ "
+                        "as committed)")
+    old = {k: v for k, v in (settings_then or {}).items() if k != "complete"}
+    new = {k: v for k, v in (settings_now or {}).items() if k != "complete"}
+    differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    if differing:
+        shown = ", ".join(f"{k} ({old.get(k)!r} then, {new.get(k)!r} now)" for k in differing)
+        problems.append(f"its settings differ: {shown}")
+    return problems
+
+
 def script_settings():
     """The values of the flags the running script (`__main__`) defines, for `stamp`."""
     import sys

@@ -467,7 +467,8 @@ def embedding_section(result, plot="embedding.png"):
              "updates), where that was measured (accuracy only, one seeded run)."
              + ("" if settings.get("complete", True) else
                 " **An incomplete run** (stopped before every run was made): only the cells "
-                "measured are shown.") + _merged_text(result) + _load_text(result), ""]
+                "measured are shown.") + _merged_text(result) + _sittings_text(result)
+             + _load_text(result), ""]
     # (Results from before the every-id estimate have no such column.)
     every_id = all("every_id_bytes_per_worker_step" in e for e in result["estimates"].values())
     rows = [[f"{int(v):,}", f"{e['parameters']:,}",
@@ -524,6 +525,53 @@ def embedding_section(result, plot="embedding.png"):
                       "loss", "failed runs"], rows), "",
               f"![embedding]({plot})", ""]
     return parts
+
+
+def _sittings_text(result):
+    """Where a run was carried on (`--resume`) over several sittings: how many, and the load
+    at the start of each."""
+    sittings = result.get("stamp", {}).get("sittings") or []
+    if len(sittings) < 2:
+        return ""
+    loads = "; ".join(" / ".join(str(x) for x in s["load_before"]) for s in sittings
+                      if s.get("load_before"))
+    return (f" Measured in {len(sittings)} sittings of the same commit (`--resume`: each "
+            f"carried on in the same interleaved order where the last stopped; the load at "
+            f"the start of each: {loads}).")
+
+
+def run_text(out_dir, present):
+    """The header's account of the run that wrote `out_dir` (`run_all.json`): its commit,
+    size and sittings, what finished, what failed, and any result file of another commit."""
+    if "run_all.json" not in present:
+        return []
+    with open(os.path.join(out_dir, "run_all.json")) as f:
+        run = json.load(f)
+    commit = commit_label(run)
+    benchmarks = run.get("benchmarks", {})
+    finished = [name for name, entry in benchmarks.items() if entry.get("finished")]
+    failed = [name for name, entry in benchmarks.items() if entry.get("failed")]
+    unfinished = [name for name, entry in benchmarks.items()
+                  if not entry.get("finished") and not entry.get("failed")]
+    sittings = run.get("sittings", [])
+    text = (f"This run: `run_all.py --size={run.get('size')}`"
+            f"{' with the tf_keras peer' if run.get('peer') else ' (no peer rows)'} at commit "
+            f"`{commit}`, in {len(sittings)} sitting{'s' * (len(sittings) != 1)}"
+            + (f" (from {sittings[0]['started']} to {sittings[-1]['started']})"
+               if len(sittings) > 1 else f" ({sittings[0]['started']})" if sittings else "")
+            + f". Finished: {', '.join(finished) or 'none'}."
+            + (f" Failed: {', '.join(failed)}." if failed else "")
+            + (f" Not finished (stopped): {', '.join(unfinished)}." if unfinished else ""))
+    others = []
+    for name in sorted(present - {"run_all.json", "capacity.json"}):
+        with open(os.path.join(out_dir, name)) as f:
+            label = commit_label(json.load(f).get("stamp"))
+        if label != commit:
+            others.append(f"{name} ({label})")
+    if others:
+        text += (" **Results of another commit in this directory** (their tables say so): "
+                 + ", ".join(others) + ".")
+    return [text, ""]
 
 
 def _merged_text(result):
@@ -862,6 +910,7 @@ def write_report(out_dir, bandwidth_gbit=10.0, latency_us=50.0):
              "run. Compare those, not absolute times: every process shares this machine's "
              "cores.", ""]
     present = {name for name in os.listdir(out_dir) if name.endswith(".json")}
+    parts += run_text(out_dir, present)
     if "rates.json" in present:
         parts += rates_section(_load("rates.json"))
     if "straggler.json" in present:

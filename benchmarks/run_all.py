@@ -12,6 +12,19 @@ earlier run is kept), each stamped with the commit (and whether the tree was dir
 machine, the load before and after and its settings (`machine.stamp`); then `report.py`
 writes report.md from them. Measure on quiet cores: every rate follows the load (the JSON
 records it, the report shows it).
+
+The full size takes longer than many machines are lent for at a time (about 8 hours on 2
+cores, the embedding matrix alone about 4). `--resume` carries on a run that was stopped:
+`run_all.json` in --out_dir records the run (its commit, size and peer, each benchmark's
+start, end and seconds), and a resumed run refuses to go on from a different commit, a dirty
+tree, another size or peer; it skips the benchmarks that finished and reruns the one that was
+stopped, except the embedding matrix, which carries on from its last finished run
+(`embedding.py --resume`: its runs stay interleaved). The report names how many sittings a
+run took.
+
+The tasks import tfdist from this tree (its root goes first on PYTHONPATH): a run from a
+second checkout (a worktree at the commit to measure) measures that checkout, not the
+installed one.
 """
 
 import json
@@ -19,10 +32,14 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 from absl import app
 from absl import flags
+from machine import code_note
 from machine import finish
+from machine import load_note
+from machine import resume_problems
 from machine import run_cluster
 from machine import spread
 from machine import stamp
@@ -40,9 +57,15 @@ flags.DEFINE_list("only", [], "Run only these benchmarks (rates, straggler, qual
                   "compression, network, network_sgp, embedding, faults); the report is written "
                   "from whatever JSON --out_dir holds, and refuses tables whose commits "
                   "differ.")
-flags.DEFINE_float("run_timeout", 4 * 3600.0, "Seconds each benchmark may take.")
+flags.DEFINE_float("run_timeout", 6 * 3600.0, "Seconds each benchmark may take.")
+flags.DEFINE_bool("resume", False, "Carry on the run recorded in --out_dir/run_all.json "
+                  "(same commit, clean tree, same size and peer): skip the benchmarks that "
+                  "finished, carry the embedding matrix on from its last finished run.")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MANIFEST = "run_all.json"
+RESUMABLE = ("embedding",)  # benchmarks that carry on from their own partial JSON
 
 # benchmark -> (script, {size: flags (None: not at that size)}, result file (default: its
 # name; a second benchmark of a file adds settings to it, in the same run))
@@ -101,6 +124,71 @@ def _run(script, *args):
     subprocess.run(command, check=True, timeout=FLAGS.run_timeout)
 
 
+class Manifest:
+    """`run_all.json`: one run of this script, over however many sittings it takes."""
+
+    def __init__(self, path, code, size, peer):
+        self.path = path
+        self.record = {"commit": code["commit"], "dirty": code["dirty"], "size": size,
+                       "peer": peer, "sittings": [], "benchmarks": {}}
+
+    @classmethod
+    def resumed(cls, path, code, size, peer):
+        """The manifest at `path`, checked to be a run this invocation may carry on."""
+        if not os.path.exists(path):
+            raise app.UsageError(f"--resume: no run to resume: {path} does not exist (run "
+                                 f"without --resume to start one)")
+        with open(path) as f:
+            record = json.load(f)
+        problems = resume_problems(record, code, {k: record.get(k) for k in ("size", "peer")},
+                                   {"size": size, "peer": peer})
+        if problems:
+            raise app.UsageError(f"--resume: {path} records a run this invocation cannot "
+                                 f"carry on: {'; '.join(problems)}. A run is measured from one "
+                                 f"clean commit with one size and peer: check that commit "
+                                 f"out, or start a new run without --resume.")
+        manifest = cls(path, code, size, peer)
+        manifest.record = record
+        return manifest
+
+    def finished(self, name):
+        return self.record["benchmarks"].get(name, {}).get("finished", False)
+
+    def started(self, name):
+        return name in self.record["benchmarks"]
+
+    def start(self, name):
+        entry = self.record["benchmarks"].setdefault(name, {"sittings": 0})
+        entry["sittings"] += 1
+        entry["started"] = _now()
+        entry.pop("failed", None)
+        self._write()
+
+    def end(self, name, seconds, failed=None):
+        entry = self.record["benchmarks"][name]
+        entry["ended"] = _now()
+        if failed:
+            entry["failed"] = failed
+        else:
+            entry["finished"] = True
+            entry["seconds_last_sitting"] = round(seconds, 1)
+        self._write()
+
+    def sitting(self):
+        self.record["sittings"].append({"started": _now(),
+                                        "load_before": load_note()["load_average_1_5_15"]})
+        self._write()
+
+    def _write(self):
+        with open(self.path + ".tmp", "w") as f:
+            json.dump(self.record, f, indent=1)
+        os.replace(self.path + ".tmp", self.path)
+
+
+def _now():
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 def _ps_rate(strategy_flags, num_ps, num_workers, window):
     """Updates per second of one ps_worker.py run on a local cluster."""
     with tempfile.TemporaryDirectory() as out:
@@ -136,37 +224,61 @@ def measure_scaling(worker_counts, window, repeats=3):
     return results
 
 
+def _import_from_this_tree():
+    """Every task this run starts imports tfdist from this tree, not an installed copy."""
+    path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = ROOT + (os.pathsep + path if path else "")
+
+
 def main(argv):
     del argv
     os.makedirs(FLAGS.out_dir, exist_ok=True)
+    _import_from_this_tree()
     chosen = FLAGS.only or [*BENCHMARKS, "scaling"]
     unknown = sorted(set(chosen) - set(BENCHMARKS) - {"scaling"})
     if unknown:
         raise app.UsageError(f"--only must name benchmarks among "
                              f"{', '.join([*BENCHMARKS, 'scaling'])}. Received: {unknown}")
+    code, peer = code_note(), bool(FLAGS.peer_python)
+    if FLAGS.resume:
+        manifest = Manifest.resumed(_path(MANIFEST), code, FLAGS.size, peer)
+    else:
+        manifest = Manifest(_path(MANIFEST), code, FLAGS.size, peer)
+    manifest.sitting()
     failed = []
     written = set()
     for name, (script, sizes, *file) in BENCHMARKS.items():
-        if name not in chosen or sizes[FLAGS.size] is None:
+        if name not in chosen or sizes[FLAGS.size] is None or manifest.finished(name):
             continue
         file = file[0] if file else name
-        if file not in written:
+        carry_on = name in RESUMABLE and manifest.started(name)
+        if file not in written and not carry_on:
             _fresh(file)
             written.add(file)
         extra = ([f"--peer_python={FLAGS.peer_python}"]
                  if name in PEER_BENCHMARKS and FLAGS.peer_python else [])
+        if carry_on and os.path.exists(_path(file + ".json")):
+            extra.append("--resume")
+        manifest.start(name)
+        start = time.monotonic()
         try:
             _run(script, f"--out={_path(file)}", *sizes[FLAGS.size], *extra)
+            manifest.end(name, time.monotonic() - start)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
             failed.append(f"{name} ({e})")  # the others still run; no JSON: no section
-    if "scaling" in chosen:
+            manifest.end(name, time.monotonic() - start, failed=str(e))
+    if "scaling" in chosen and not manifest.finished("scaling"):
         _fresh("scaling")
+        manifest.start("scaling")
+        start = time.monotonic()
         try:
             scaling = measure_scaling(*SCALING[FLAGS.size])
             with open(_path("scaling.json"), "w") as f:
                 json.dump(scaling, f, indent=1)
+            manifest.end("scaling", time.monotonic() - start)
         except RuntimeError as e:
             failed.append(f"scaling ({e})")
+            manifest.end("scaling", time.monotonic() - start, failed=str(e))
     _run("report.py", f"--out_dir={FLAGS.out_dir}")
     if failed:
         print("run_all: FAILED: " + "; ".join(failed), file=sys.stderr, flush=True)

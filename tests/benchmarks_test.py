@@ -426,3 +426,85 @@ class FaultsReportTest(tf.test.TestCase):
         out = self.get_temp_dir()
         text = _report_of(out, {"faults": _faults_fixture()})
         self.assertIn("## Faults on a running job\n\nMeasured at commit `fedcba987654`.", text)
+
+
+class ResumeTest(tf.test.TestCase):
+    """A full run_all.py takes longer than one sitting: `--resume` carries it on from the same
+    clean commit and settings only, and the report says how many sittings it took."""
+
+    def test_a_run_is_carried_on_only_from_its_commit_clean_tree_and_settings(self):
+        code = {"commit": "a" * 40, "dirty": False}
+        self.assertEqual(machine.resume_problems(code, code, {"rows": [1], "complete": False},
+                                                 {"rows": [1]}), [])
+        other = machine.resume_problems(code, {"commit": "b" * 40, "dirty": False})
+        self.assertEqual(len(other), 1)
+        self.assertIn("measured at commit " + "a" * 40, other[0])
+        self.assertIn("this checkout is " + "b" * 40, other[0])
+        self.assertIn("clean tree", machine.resume_problems(code, dict(code, dirty=True))[0])
+        settings = machine.resume_problems(code, code, {"rows": [1], "window": 20.0},
+                                           {"rows": [1, 2], "window": 20.0})
+        self.assertEqual(settings, ["its settings differ: rows ([1] then, [1, 2] now)"])
+
+    def _run_all(self, out, *args):
+        import subprocess
+
+        return subprocess.run([sys.executable, os.path.join(os.path.dirname(_PATH),
+                                                            "run_all.py"),
+                               f"--out_dir={out}", *args],
+                              capture_output=True, text=True, timeout=120)
+
+    def test_resume_refuses_another_commit_and_carries_on_its_own(self):
+        out = self.get_temp_dir()
+        done = self._run_all(out, "--resume", "--only=faults")
+        self.assertNotEqual(done.returncode, 0)
+        self.assertIn("--resume: no run to resume", done.stderr)
+        code = machine.code_note()
+        record = {"commit": "0" * 40, "dirty": False, "size": "quick", "peer": False,
+                  "sittings": [{"started": "2026-01-01T00:00:00Z", "load_before": [1, 1, 1]}],
+                  "benchmarks": {"faults": {"sittings": 1, "finished": True}}}
+        with open(os.path.join(out, "run_all.json"), "w") as f:
+            json.dump(record, f)
+        done = self._run_all(out, "--resume", "--only=faults")
+        self.assertNotEqual(done.returncode, 0)
+        self.assertIn("measured at commit " + "0" * 40, done.stderr)
+        self.assertIn("start a new run without --resume", done.stderr)
+        # The run's own commit: refused from a dirty tree, else the finished benchmark is
+        # skipped and the report written, the sitting recorded.
+        with open(os.path.join(out, "run_all.json"), "w") as f:
+            json.dump(dict(record, commit=code["commit"]), f)
+        done = self._run_all(out, "--resume", "--only=faults")
+        if code["dirty"]:
+            self.assertNotEqual(done.returncode, 0)
+            self.assertIn("clean tree", done.stderr)
+            return
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertNotIn("faults.py", done.stdout)
+        with open(os.path.join(out, "run_all.json")) as f:
+            self.assertEqual(len(json.load(f)["sittings"]), 2)
+        with open(os.path.join(out, "report.md")) as f:
+            self.assertIn(f"at commit `{code['commit'][:12]}`, in 2 sittings", f.read())
+
+    def test_report_header_names_the_run_its_sittings_and_other_commits(self):
+        out = self.get_temp_dir()
+        with open(os.path.join(out, "run_all.json"), "w") as f:
+            json.dump({"commit": "f" * 40, "dirty": False, "size": "full", "peer": True,
+                       "sittings": [{"started": "2026-01-01T00:00:00Z"},
+                                    {"started": "2026-01-02T00:00:00Z"}],
+                       "benchmarks": {"rates": {"finished": True},
+                                      "faults": {"failed": "exit 1"},
+                                      "embedding": {"sittings": 2}}}, f)
+        text = _report_of(out, {"faults": _faults_fixture()})
+        self.assertIn("This run: `run_all.py --size=full` with the tf_keras peer at commit "
+                      "`ffffffffffff`, in 2 sittings (from 2026-01-01T00:00:00Z to "
+                      "2026-01-02T00:00:00Z). Finished: rates. Failed: faults. Not finished "
+                      "(stopped): embedding. **Results of another commit in this directory** "
+                      "(their tables say so): faults.json (fedcba987654).", text)
+
+    def test_an_embedding_run_of_several_sittings_says_so(self):
+        result = _embedding_fixture()
+        result["stamp"]["sittings"] = [{"load_before": [0.5, 1.0, 1.5]},
+                                       {"load_before": [0.2, 0.3, 0.4]}]
+        text = "\n".join(report.embedding_section(result))
+        self.assertIn("Measured in 2 sittings of the same commit (`--resume`: each carried on "
+                      "in the same interleaved order where the last stopped; the load at the "
+                      "start of each: 0.5 / 1.0 / 1.5; 0.2 / 0.3 / 0.4).", text)
