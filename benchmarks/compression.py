@@ -35,6 +35,7 @@ from absl import flags  # noqa: E402
 from machine import finish  # noqa: E402
 from machine import record_parts  # noqa: E402
 from machine import stamp  # noqa: E402
+from machine import write_json  # noqa: E402
 
 import tfdist  # noqa: E402
 
@@ -414,8 +415,7 @@ def main(argv):
     record_parts(result, run_stamp, FLAGS.parts,
                  kept=[p for p in ("exchange", "accuracy") if p in result and p not in FLAGS.parts])
     result["stamp"] = finish(run_stamp)
-    with open(FLAGS.out + ".json", "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(FLAGS.out + ".json", result)
     plot(result, FLAGS.out + ".png")
     print(f"wrote {FLAGS.out}.json and {FLAGS.out}.png", flush=True)
 

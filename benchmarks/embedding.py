@@ -60,11 +60,13 @@ from absl import flags
 from machine import apply_quick
 from machine import available_memory_bytes
 from machine import finish
+from machine import interleaved
 from machine import load_note
 from machine import loopback_counters
 from machine import peak_resident_bytes
 from machine import resume_problems
 from machine import stamp
+from machine import write_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["100000", "1000000", "10000000"], "V: rows of the large table.")
@@ -365,35 +367,33 @@ def main(argv):
     runs = {(cell, rows): [] for rows in rows_list for cell in cells}
     if FLAGS.resume:
         results = resumed(results, runs)
-    for repeat in range(FLAGS.repeats):
-        for rows in rows_list:
-            for system, workers, num_ps in cells:
-                if system == "one_process_global" and repeat:
-                    continue  # seeded, one process: its accuracy is the same every run
-                if len(runs[((system, workers, num_ps), rows)]) > repeat:
-                    continue  # made in an earlier sitting (--resume)
-                before, start = load_note()["load_average_1_5_15"], time.monotonic()
-                if system == "peer":
-                    figures = run_peer(rows, workers, num_ps)
-                else:
-                    figures = run_tfdist(system, rows, workers, num_ps)
-                run = {**derive(figures), "error": figures.get("error"),
-                       "load_before": before, "load_after": load_note()["load_average_1_5_15"],
-                       "seconds": time.monotonic() - start, "raw": figures}
-                runs[((system, workers, num_ps), rows)].append(run)
-                rate = run["updates_per_second"]
-                cores = run["cores"]
-                shown = run["error"] or ((f"{rate:.1f} updates/s, " if rate else "")
-                                         + f"accuracy {run['accuracy']}"
-                                         + (f" (cores busy {cores['busy']:.2f}, steal "
-                                            f"{cores['steal']:.2f}, delayed acks "
-                                            f"{cores.get('tcp_delayed_acks') or 0:.0f}/s)"
-                                            if cores.get("busy") is not None else ""))
-                print(f"[{repeat + 1}/{FLAGS.repeats}] V={rows:,} {SYSTEMS[system]}, "
-                      f"{workers} workers, {num_ps} ps: {shown}", flush=True)
-                # After every run: a run stopped later keeps what was measured so far
-                # (`settings["complete"]` says whether every run was made).
-                _write(results, runs, complete=False)
+    order = [(cell, rows) for rows in rows_list for cell in cells]
+    # (seeded, one process at the global batch: its accuracy is the same every run)
+    for repeat, ((system, workers, num_ps), rows) in interleaved(
+            order, FLAGS.repeats, {key: len(made) for key, made in runs.items()},
+            once=lambda key: key[0][0] == "one_process_global"):
+        before, start = load_note()["load_average_1_5_15"], time.monotonic()
+        if system == "peer":
+            figures = run_peer(rows, workers, num_ps)
+        else:
+            figures = run_tfdist(system, rows, workers, num_ps)
+        run = {**derive(figures), "error": figures.get("error"),
+               "load_before": before, "load_after": load_note()["load_average_1_5_15"],
+               "seconds": time.monotonic() - start, "ended": time.time(), "raw": figures}
+        runs[((system, workers, num_ps), rows)].append(run)
+        rate = run["updates_per_second"]
+        cores = run["cores"]
+        shown = run["error"] or ((f"{rate:.1f} updates/s, " if rate else "")
+                                 + f"accuracy {run['accuracy']}"
+                                 + (f" (cores busy {cores['busy']:.2f}, steal "
+                                    f"{cores['steal']:.2f}, delayed acks "
+                                    f"{cores.get('tcp_delayed_acks') or 0:.0f}/s)"
+                                    if cores.get("busy") is not None else ""))
+        print(f"[{repeat + 1}/{FLAGS.repeats}] V={rows:,} {SYSTEMS[system]}, "
+              f"{workers} workers, {num_ps} ps: {shown}", flush=True)
+        # After every run: a run stopped later keeps what was measured so far
+        # (`settings["complete"]` says whether every run was made).
+        _write(results, runs, complete=False)
     _write(results, runs, complete=True)
     print(f"wrote {FLAGS.out}.json", flush=True)
 
@@ -416,6 +416,14 @@ def resumed(results, runs):
         key = ((cell["system"], cell["workers"], cell["ps"]), cell["rows"])
         if key in runs:
             runs[key].extend(cell["runs"])
+    # The last run made: where it failed, the end of the sitting may have killed its tasks
+    # before this launcher: it is made again.
+    last = max(((run["ended"], key) for key, made in runs.items() for run in made
+                if "ended" in run), default=None)
+    if last is not None and runs[last[1]][-1].get("error"):
+        print(f"resuming: the last run made ({last[1]}) failed and is made again: "
+              f"{runs[last[1]][-1]['error']}", flush=True)
+        runs[last[1]].pop()
     sittings = then.get("sittings", [{"load_before": then.get("load_before")}])
     stamp_now = dict(then, sittings=[*sittings, {"load_before": now["load_before"]}])
     made = sum(len(r) for r in runs.values())
@@ -434,10 +442,7 @@ def _write(results, runs, complete):
                                  "workers": workers, "ps": num_ps, "rows": rows,
                                  **summarize(cell_runs), "runs": cell_runs})
     out["stamp"] = finish(dict(results["stamp"]))
-    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out + ".json.tmp", "w") as f:
-        json.dump(out, f, indent=1)
-    os.replace(FLAGS.out + ".json.tmp", FLAGS.out + ".json")
+    write_json(FLAGS.out + ".json", out)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from absl import flags
 from machine import apply_quick
 from machine import finish
 from machine import stamp
+from machine import write_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", os.path.join("benchmarks", "results", "faults"),
@@ -276,9 +277,7 @@ def main(argv):
             runs[scenario] = run_scenario(strategy_flags, num_ps, scenario, usual)
             print(f"{name}: {scenario}: {json.dumps(runs[scenario])}", flush=True)
     results["stamp"] = finish(results["stamp"])
-    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(FLAGS.out + ".json", results)
 
 
 if __name__ == "__main__":

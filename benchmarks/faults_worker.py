@@ -88,7 +88,9 @@ def main(argv):
     result["progress"] = strategy.progress()
     if isinstance(strategy, tfdist.strategies.StochasticGradientPushStrategy):
         size = protocol.HEAD + sum(int(np.prod(w.shape)) for w in model.trainable_weights)
-        result["messages_sent"] = result["progress"]["bytes_sent"] // (4 * size)
+        progress = result["progress"]
+        result["messages_sent"] = ((progress["bytes_sent"] - progress.get("plan_bytes_sent", 0))
+                                   // (4 * size))
     with open(os.path.join(FLAGS.out_dir, f"worker{rank}.{pid}.json"), "w") as f:
         json.dump(result, f)
     print(f"DONE {json.dumps(result)}", flush=True)

@@ -1,5 +1,6 @@
 """What a benchmark's figures depend on besides its settings: the code, the machine, its load."""
 
+import json
 import os
 import platform
 import subprocess
@@ -48,13 +49,28 @@ def machine_note():
             "system": platform.platform()}
 
 
+# The environment variable through which `run_all.py` names its run to the benchmarks it
+# starts: each stamps it, and the report flags results of another run.
+RUN_VARIABLE = "TFDIST_BENCHMARK_RUN"
+
+
 def stamp(settings=None):
     """What a benchmark's JSON carries beside its figures: the commit (and whether the tree
-    was dirty), the machine and its load at the start, and the run's `settings` (a dict).
-    `finish(stamp)` adds the load at the end. `settings` None: `script_settings()`."""
+    was dirty), the machine and its load at the start, the run of `run_all.py` it belongs to
+    (None: run by hand) and the run's `settings` (a dict). `finish(stamp)` adds the load at
+    the end. `settings` None: `script_settings()`."""
     settings = script_settings() if settings is None else settings
-    return {**code_note(), "machine": machine_note(), "settings": settings,
-            "load_before": load_note()["load_average_1_5_15"]}
+    return {**code_note(), "machine": machine_note(), "run": os.environ.get(RUN_VARIABLE),
+            "settings": settings, "load_before": load_note()["load_average_1_5_15"]}
+
+
+def write_json(path, value):
+    """Writes `value` to `path` whole or not at all (a run killed while it writes leaves the
+    file as it was)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def finish(run_stamp):
@@ -63,16 +79,24 @@ def finish(run_stamp):
 
 
 def resume_problems(then, now, settings_then=None, settings_now=None):
-    """Why a run stamped `then` (its `code_note`) cannot be carried on by one stamped `now`:
-    another commit, a dirty tree on either side, other settings (each a dict, the key
-    `complete` aside). An empty list: it can."""
+    """Why a run stamped `then` (its `code_note` and `machine`) cannot be carried on by one
+    stamped `now`: another commit (or none known), a dirty tree (or one not known) on either
+    side, another machine, other settings (each a dict, the key `complete` aside). An empty
+    list: it can."""
     problems = []
     if then.get("commit") != now.get("commit"):
         problems.append(f"it was measured at commit {then.get('commit')}, this checkout is "
                         f"{now.get('commit')}")
-    if then.get("dirty") or now.get("dirty"):
+    elif now.get("commit") in (None, "unknown"):
+        problems.append("the commit is not known (no git): a run is only carried on from "
+                        "a known commit")
+    if then.get("dirty") is not False or now.get("dirty") is not False:
         problems.append("a run is only carried on from a clean tree (tfdist/ and benchmarks/ "
                         "as committed)")
+    machine_then, machine_now = then.get("machine"), now.get("machine")
+    if machine_then != machine_now:
+        problems.append(f"it was measured on another machine ({_machine_text(machine_then)}; "
+                        f"this one: {_machine_text(machine_now)})")
     old = {k: v for k, v in (settings_then or {}).items() if k != "complete"}
     new = {k: v for k, v in (settings_now or {}).items() if k != "complete"}
     differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
@@ -80,6 +104,25 @@ def resume_problems(then, now, settings_then=None, settings_now=None):
         shown = ", ".join(f"{k} ({old.get(k)!r} then, {new.get(k)!r} now)" for k in differing)
         problems.append(f"its settings differ: {shown}")
     return problems
+
+
+def _machine_text(machine):
+    if not machine:
+        return "not recorded"
+    return (f"{machine.get('cpus')} cores ({machine.get('cpu_model')}), "
+            f"{machine.get('memory_gib')} GiB, {machine.get('system')}")
+
+
+def interleaved(keys, repeats, made, once=lambda key: False):
+    """The runs still to make of an interleaved benchmark, in order: `(repeat, key)` for
+    every repeat and every key of `keys` (each key once, then again), skipping the runs
+    `made` (`{key: runs made}`, an earlier sitting's) and, past the first repeat, the keys
+    `once` is true of."""
+    for repeat in range(repeats):
+        for key in keys:
+            if (repeat and once(key)) or made.get(key, 0) > repeat:
+                continue
+            yield repeat, key
 
 
 def script_settings():

@@ -40,6 +40,7 @@ from machine import record_parts
 from machine import run_cluster
 from machine import spread
 from machine import stamp
+from machine import write_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", os.path.join("benchmarks", "results", "network"),
@@ -216,9 +217,7 @@ def main(argv):
     record_parts(results, run_stamp, measured, kept=[p for p in every if p not in measured])
     results["stamp"] = finish(run_stamp)
     results["topology"] = FLAGS.topology
-    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(FLAGS.out + ".json", results)
     plot(results, FLAGS.out + ".png")
 
 

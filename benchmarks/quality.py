@@ -26,6 +26,7 @@ from machine import finish
 from machine import record_parts
 from machine import run_cluster
 from machine import stamp
+from machine import write_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("seeds", 3, "Seeds per mode.", lower_bound=1)
@@ -142,9 +143,7 @@ def main(argv):
                  kept=[p for p in every if p not in measured]
                  + (["single process"] if FLAGS.update else []))
     results["stamp"] = finish(run_stamp)
-    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(FLAGS.out + ".json", results)
     plot(results, FLAGS.out + ".png")
 
 

@@ -36,6 +36,7 @@ from machine import load_note
 from machine import run_cluster
 from machine import spread
 from machine import stamp
+from machine import write_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_workers", 2, "Workers M.", lower_bound=1)
@@ -166,9 +167,7 @@ def main(argv):
                "peer": [name for name in table if name.startswith(PEER)],
                "rows": {name: summarize(figures) for name, figures in runs.items()}}
     results["bytes_per_ps_task"] = _bytes_per_ps(runs)
-    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(FLAGS.out + ".json", results)
     print(json.dumps({n: r["updates_per_second"] for n, r in results["rows"].items()},
                      indent=1))
 

@@ -542,35 +542,42 @@ def _sittings_text(result):
 
 def run_text(out_dir, present):
     """The header's account of the run that wrote `out_dir` (`run_all.json`): its commit,
-    size and sittings, what finished, what failed, and any result file of another commit."""
+    size and sittings, what finished, what failed or was stopped, and every result file that
+    is not of this run (another run's, one run by hand, or one that cannot be read)."""
     if "run_all.json" not in present:
         return []
     with open(os.path.join(out_dir, "run_all.json")) as f:
         run = json.load(f)
-    commit = commit_label(run)
     benchmarks = run.get("benchmarks", {})
     finished = [name for name, entry in benchmarks.items() if entry.get("finished")]
     failed = [name for name, entry in benchmarks.items() if entry.get("failed")]
-    unfinished = [name for name, entry in benchmarks.items()
-                  if not entry.get("finished") and not entry.get("failed")]
+    stopped = [name for name, entry in benchmarks.items()
+               if not entry.get("finished") and not entry.get("failed")]
     sittings = run.get("sittings", [])
+    count = f"{len(sittings)} sitting{'s' * (len(sittings) != 1)}"
+    if sittings:
+        count += (f" (the first started {sittings[0]['started']}, the last "
+                  f"{sittings[-1]['started']})" if len(sittings) > 1
+                  else f" (started {sittings[0]['started']})")
     text = (f"This run: `run_all.py --size={run.get('size')}`"
             f"{' with the tf_keras peer' if run.get('peer') else ' (no peer rows)'} at commit "
-            f"`{commit}`, in {len(sittings)} sitting{'s' * (len(sittings) != 1)}"
-            + (f" (from {sittings[0]['started']} to {sittings[-1]['started']})"
-               if len(sittings) > 1 else f" ({sittings[0]['started']})" if sittings else "")
-            + f". Finished: {', '.join(finished) or 'none'}."
+            f"`{commit_label(run)}`, in {count}. Finished: {', '.join(finished) or 'none'}."
             + (f" Failed: {', '.join(failed)}." if failed else "")
-            + (f" Not finished (stopped): {', '.join(unfinished)}." if unfinished else ""))
+            + (f" Not finished (stopped): {', '.join(stopped)}." if stopped else ""))
     others = []
     for name in sorted(present - {"run_all.json", "capacity.json"}):
-        with open(os.path.join(out_dir, name)) as f:
-            label = commit_label(json.load(f).get("stamp"))
-        if label != commit:
-            others.append(f"{name} ({label})")
+        try:
+            with open(os.path.join(out_dir, name)) as f:
+                result_stamp = json.load(f).get("stamp") or {}
+        except (OSError, ValueError) as e:
+            others.append(f"{name} (cannot be read: {e})")
+            continue
+        if result_stamp.get("run") != run.get("run"):
+            others.append(f"{name} ({commit_label(result_stamp)}"
+                          f"{', by hand' if not result_stamp.get('run') else ', another run'})")
     if others:
-        text += (" **Results of another commit in this directory** (their tables say so): "
-                 + ", ".join(others) + ".")
+        text += (" **Results not of this run in this directory** (their tables name their "
+                 "commits): " + ", ".join(others) + ".")
     return [text, ""]
 
 

@@ -14,13 +14,15 @@ writes report.md from them. Measure on quiet cores: every rate follows the load 
 records it, the report shows it).
 
 The full size takes longer than many machines are lent for at a time (about 8 hours on 2
-cores, the embedding matrix alone about 4). `--resume` carries on a run that was stopped:
-`run_all.json` in --out_dir records the run (its commit, size and peer, each benchmark's
-start, end and seconds), and a resumed run refuses to go on from a different commit, a dirty
-tree, another size or peer; it skips the benchmarks that finished and reruns the one that was
-stopped, except the embedding matrix, which carries on from its last finished run
-(`embedding.py --resume`: its runs stay interleaved). The report names how many sittings a
-run took.
+cores, the embedding matrix about 3.5 of them). `--resume` carries on a run that was stopped:
+`run_all.json` in --out_dir records the run (an id, its commit, machine, size and peer, each
+benchmark's sittings), and a resumed run refuses to go on from another commit, a dirty tree,
+another machine, size or peer; it skips the benchmarks that finished and reruns the one that
+was stopped (a result file two benchmarks share keeps the part of the one that finished),
+except the embedding matrix, which carries on from its last finished run
+(`embedding.py --resume`: its runs stay interleaved). A run left unfinished is not replaced
+by a new one unless `--new_run` says so. Every benchmark stamps the run's id; the report's
+header names the run, its sittings, and every result file in the directory not of it.
 
 The tasks import tfdist from this tree (its root goes first on PYTHONPATH): a run from a
 second checkout (a worktree at the commit to measure) measures that checkout, not the
@@ -36,31 +38,41 @@ import time
 
 from absl import app
 from absl import flags
+from machine import RUN_VARIABLE
 from machine import code_note
 from machine import finish
 from machine import load_note
+from machine import machine_note
 from machine import resume_problems
 from machine import run_cluster
 from machine import spread
 from machine import stamp
+from machine import write_json
 
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("size", "quick", ["quick", "full"],
-                  "quick: every benchmark at its smallest settings (a check that the harness "
-                  "works end to end; its figures are not for quoting); full: the settings the "
-                  "README quotes.")
-flags.DEFINE_string("out_dir", os.path.join("benchmarks", "results"), "Where results go.")
-flags.DEFINE_string("peer_python", None, "Python of an environment with tensorflow and "
-                    "tf_keras, for the ParameterServerStrategy rows of the rates and "
-                    "embedding tables (benchmarks/tf_keras_peer.py). None: no peer rows.")
-flags.DEFINE_list("only", [], "Run only these benchmarks (rates, straggler, quality, scaling, "
-                  "compression, network, network_sgp, embedding, faults); the report is written "
-                  "from whatever JSON --out_dir holds, and refuses tables whose commits "
-                  "differ.")
-flags.DEFINE_float("run_timeout", 6 * 3600.0, "Seconds each benchmark may take.")
-flags.DEFINE_bool("resume", False, "Carry on the run recorded in --out_dir/run_all.json "
-                  "(same commit, clean tree, same size and peer): skip the benchmarks that "
-                  "finished, carry the embedding matrix on from its last finished run.")
+
+
+def define_flags():
+    flags.DEFINE_enum("size", "quick", ["quick", "full"],
+                      "quick: every benchmark at its smallest settings (a check that the harness "
+                      "works end to end; its figures are not for quoting); full: the settings the "
+                      "README quotes.")
+    flags.DEFINE_string("out_dir", os.path.join("benchmarks", "results"), "Where results go.")
+    flags.DEFINE_string("peer_python", None, "Python of an environment with tensorflow and "
+                        "tf_keras, for the ParameterServerStrategy rows of the rates and "
+                        "embedding tables (benchmarks/tf_keras_peer.py). None: no peer rows.")
+    flags.DEFINE_list("only", [], "Run only these benchmarks (rates, straggler, quality, "
+                      "scaling, compression, network, network_n8, network_sgp, embedding, "
+                      "faults); the report is written from whatever JSON --out_dir holds, "
+                      "flags those of another run and refuses tables whose commits differ.")
+    flags.DEFINE_float("run_timeout", 6 * 3600.0, "Seconds each benchmark may take.")
+    flags.DEFINE_bool("resume", False, "Carry on the run recorded in --out_dir/run_all.json "
+                      "(same commit, clean tree, same size and peer): skip the benchmarks that "
+                      "finished, carry the embedding matrix on from its last finished run.")
+    flags.DEFINE_bool("new_run", False, "Start a new run over an unfinished one recorded in "
+                      "--out_dir (its results of benchmarks this run makes again are "
+                      "removed); without it, an unfinished run is refused: --resume it.")
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -125,37 +137,41 @@ def _run(script, *args):
 
 
 class Manifest:
-    """`run_all.json`: one run of this script, over however many sittings it takes."""
+    """`run_all.json`: one run of this script (its id, commit, machine, size and peer, each
+    benchmark's sittings), over however many sittings it takes."""
 
-    def __init__(self, path, code, size, peer):
+    def __init__(self, path, record):
         self.path = path
-        self.record = {"commit": code["commit"], "dirty": code["dirty"], "size": size,
-                       "peer": peer, "sittings": [], "benchmarks": {}}
+        self.record = record
+
+    @classmethod
+    def new(cls, path, code, size, peer):
+        return cls(path, {"run": f"{_now()}-{os.getpid()}", **code, "size": size,
+                          "peer": peer, "sittings": [], "benchmarks": {}})
+
+    @staticmethod
+    def read(path):
+        """The record at `path`, or None."""
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            return json.load(f)
 
     @classmethod
     def resumed(cls, path, code, size, peer):
         """The manifest at `path`, checked to be a run this invocation may carry on."""
-        if not os.path.exists(path):
+        record = cls.read(path)
+        if record is None:
             raise app.UsageError(f"--resume: no run to resume: {path} does not exist (run "
                                  f"without --resume to start one)")
-        with open(path) as f:
-            record = json.load(f)
         problems = resume_problems(record, code, {k: record.get(k) for k in ("size", "peer")},
                                    {"size": size, "peer": peer})
         if problems:
             raise app.UsageError(f"--resume: {path} records a run this invocation cannot "
                                  f"carry on: {'; '.join(problems)}. A run is measured from one "
-                                 f"clean commit with one size and peer: check that commit "
-                                 f"out, or start a new run without --resume.")
-        manifest = cls(path, code, size, peer)
-        manifest.record = record
-        return manifest
-
-    def finished(self, name):
-        return self.record["benchmarks"].get(name, {}).get("finished", False)
-
-    def started(self, name):
-        return name in self.record["benchmarks"]
+                                 f"clean commit on one machine with one size and peer: carry "
+                                 f"it on there, or start a new run (--new_run).")
+        return cls(path, record)
 
     def start(self, name):
         entry = self.record["benchmarks"].setdefault(name, {"sittings": 0})
@@ -180,9 +196,36 @@ class Manifest:
         self._write()
 
     def _write(self):
-        with open(self.path + ".tmp", "w") as f:
-            json.dump(self.record, f, indent=1)
-        os.replace(self.path + ".tmp", self.path)
+        write_json(self.path, self.record)
+
+
+def unfinished(record):
+    """The benchmarks a run recorded as started and not finished (stopped, or failed)."""
+    return [name for name, entry in record["benchmarks"].items() if not entry.get("finished")]
+
+
+def plan(chosen, size, record):
+    """What a sitting of the run `record` runs, in order: `(name, script, result file,
+    fresh, carry_on)` for each benchmark of `chosen` that the run has not finished. `fresh`:
+    its file is removed first, unless a benchmark of the run that writes the same file has
+    started (`network` and `network_n8` both write network.json: each keeps the other's
+    part); `carry_on`: it carries on from its own partial result (`RESUMABLE`, started in an
+    earlier sitting). `script` None: the scaling runs, made here."""
+    started = record["benchmarks"]
+    files = {name: (entry[2] if len(entry) > 2 else name)
+             for name, entry in BENCHMARKS.items()}
+    files["scaling"] = "scaling"
+    started_files = {files[name] for name in started if name in files}
+    steps, freshened = [], set()
+    for name, (script, sizes, *_) in [*BENCHMARKS.items(), ("scaling", (None, {}))]:
+        if (name not in chosen or (script is not None and sizes[size] is None)
+                or started.get(name, {}).get("finished")):
+            continue
+        file = files[name]
+        fresh = file not in started_files and file not in freshened
+        freshened.add(file)
+        steps.append((name, script, file, fresh, name in RESUMABLE and name in started))
+    return steps
 
 
 def _now():
@@ -239,46 +282,42 @@ def main(argv):
     if unknown:
         raise app.UsageError(f"--only must name benchmarks among "
                              f"{', '.join([*BENCHMARKS, 'scaling'])}. Received: {unknown}")
-    code, peer = code_note(), bool(FLAGS.peer_python)
+    code, peer = {**code_note(), "machine": machine_note()}, bool(FLAGS.peer_python)
+    path = _path(MANIFEST)
     if FLAGS.resume:
-        manifest = Manifest.resumed(_path(MANIFEST), code, FLAGS.size, peer)
+        manifest = Manifest.resumed(path, code, FLAGS.size, peer)
     else:
-        manifest = Manifest(_path(MANIFEST), code, FLAGS.size, peer)
-    manifest.sitting()
+        earlier = Manifest.read(path)
+        if earlier is not None and unfinished(earlier) and not FLAGS.new_run:
+            raise app.UsageError(
+                f"{path} records an unfinished run (at commit {earlier.get('commit')}; not "
+                f"finished: {', '.join(unfinished(earlier))}): carry it on with --resume, or "
+                f"start a new run over it with --new_run")
+        manifest = Manifest.new(path, code, FLAGS.size, peer)
+    # Every benchmark started stamps the run it belongs to (the report flags others).
+    os.environ[RUN_VARIABLE] = manifest.record["run"]
+    steps = plan(chosen, FLAGS.size, manifest.record)
+    if steps:
+        manifest.sitting()
     failed = []
-    written = set()
-    for name, (script, sizes, *file) in BENCHMARKS.items():
-        if name not in chosen or sizes[FLAGS.size] is None or manifest.finished(name):
-            continue
-        file = file[0] if file else name
-        carry_on = name in RESUMABLE and manifest.started(name)
-        if file not in written and not carry_on:
+    for name, script, file, fresh, carry_on in steps:
+        if fresh:
             _fresh(file)
-            written.add(file)
-        extra = ([f"--peer_python={FLAGS.peer_python}"]
-                 if name in PEER_BENCHMARKS and FLAGS.peer_python else [])
-        if carry_on and os.path.exists(_path(file + ".json")):
-            extra.append("--resume")
-        manifest.start(name)
         start = time.monotonic()
+        manifest.start(name)
         try:
-            _run(script, f"--out={_path(file)}", *sizes[FLAGS.size], *extra)
+            if script is None:
+                write_json(_path("scaling.json"), measure_scaling(*SCALING[FLAGS.size]))
+            else:
+                extra = ([f"--peer_python={FLAGS.peer_python}"]
+                         if name in PEER_BENCHMARKS and FLAGS.peer_python else [])
+                if carry_on and os.path.exists(_path(file + ".json")):
+                    extra.append("--resume")
+                _run(script, f"--out={_path(file)}", *BENCHMARKS[name][1][FLAGS.size], *extra)
             manifest.end(name, time.monotonic() - start)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, RuntimeError) as e:
             failed.append(f"{name} ({e})")  # the others still run; no JSON: no section
             manifest.end(name, time.monotonic() - start, failed=str(e))
-    if "scaling" in chosen and not manifest.finished("scaling"):
-        _fresh("scaling")
-        manifest.start("scaling")
-        start = time.monotonic()
-        try:
-            scaling = measure_scaling(*SCALING[FLAGS.size])
-            with open(_path("scaling.json"), "w") as f:
-                json.dump(scaling, f, indent=1)
-            manifest.end("scaling", time.monotonic() - start)
-        except RuntimeError as e:
-            failed.append(f"scaling ({e})")
-            manifest.end("scaling", time.monotonic() - start, failed=str(e))
     _run("report.py", f"--out_dir={FLAGS.out_dir}")
     if failed:
         print("run_all: FAILED: " + "; ".join(failed), file=sys.stderr, flush=True)
@@ -287,4 +326,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)

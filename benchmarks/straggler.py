@@ -38,6 +38,7 @@ from machine import load_note
 from machine import run_cluster
 from machine import spread
 from machine import stamp
+from machine import write_json
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_workers", 4, "Workers M.", lower_bound=2)
@@ -192,9 +193,7 @@ def main(argv):
                                                         for r in limit])},
                "modes": {name: _combine(runs) for name, runs in repeats.items()}}
     results["stamp"] = finish(run_stamp)
-    os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-    with open(FLAGS.out + ".json", "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(FLAGS.out + ".json", results)
     _plot(results, FLAGS.out + ".png")
     print(json.dumps({name: {scenario: r.get(scenario, {}).get("rate_ratio")
                              for scenario in FLAGS.scenarios}

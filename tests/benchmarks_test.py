@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(_PATH))
 import before_after  # noqa: E402
 import machine  # noqa: E402
 import report  # noqa: E402
+import run_all  # noqa: E402
 import step_ops  # noqa: E402
 
 
@@ -432,11 +433,11 @@ class ResumeTest(tf.test.TestCase):
     """A full run_all.py takes longer than one sitting: `--resume` carries it on from the same
     clean commit and settings only, and the report says how many sittings it took."""
 
-    def test_a_run_is_carried_on_only_from_its_commit_clean_tree_and_settings(self):
-        code = {"commit": "a" * 40, "dirty": False}
+    def test_a_run_is_carried_on_only_from_its_commit_clean_tree_machine_and_settings(self):
+        code = {"commit": "a" * 40, "dirty": False, "machine": {"cpus": 2}}
         self.assertEqual(machine.resume_problems(code, code, {"rows": [1], "complete": False},
                                                  {"rows": [1]}), [])
-        other = machine.resume_problems(code, {"commit": "b" * 40, "dirty": False})
+        other = machine.resume_problems(code, dict(code, commit="b" * 40))
         self.assertEqual(len(other), 1)
         self.assertIn("measured at commit " + "a" * 40, other[0])
         self.assertIn("this checkout is " + "b" * 40, other[0])
@@ -444,6 +445,10 @@ class ResumeTest(tf.test.TestCase):
         settings = machine.resume_problems(code, code, {"rows": [1], "window": 20.0},
                                            {"rows": [1, 2], "window": 20.0})
         self.assertEqual(settings, ["its settings differ: rows ([1] then, [1, 2] now)"])
+        self.assertRegex(machine.resume_problems(code, dict(code, machine={"cpus": 8}))[0],
+                         r"^it was measured on another machine \(2 cores")
+        unknown = {"commit": "unknown", "dirty": None}
+        self.assertEqual(len(machine.resume_problems(unknown, unknown)), 2)
 
     def _run_all(self, out, *args):
         import subprocess
@@ -467,11 +472,12 @@ class ResumeTest(tf.test.TestCase):
         done = self._run_all(out, "--resume", "--only=faults")
         self.assertNotEqual(done.returncode, 0)
         self.assertIn("measured at commit " + "0" * 40, done.stderr)
-        self.assertIn("start a new run without --resume", done.stderr)
+        self.assertIn("start a new run (--new_run)", done.stderr)
         # The run's own commit: refused from a dirty tree, else the finished benchmark is
         # skipped and the report written, the sitting recorded.
+        record.update(commit=code["commit"], machine=machine.machine_note(), run="r1")
         with open(os.path.join(out, "run_all.json"), "w") as f:
-            json.dump(dict(record, commit=code["commit"]), f)
+            json.dump(record, f)
         done = self._run_all(out, "--resume", "--only=faults")
         if code["dirty"]:
             self.assertNotEqual(done.returncode, 0)
@@ -480,25 +486,96 @@ class ResumeTest(tf.test.TestCase):
         self.assertEqual(done.returncode, 0, done.stderr)
         self.assertNotIn("faults.py", done.stdout)
         with open(os.path.join(out, "run_all.json")) as f:
-            self.assertEqual(len(json.load(f)["sittings"]), 2)
+            self.assertEqual(len(json.load(f)["sittings"]), 1)  # nothing was left to run
         with open(os.path.join(out, "report.md")) as f:
-            self.assertIn(f"at commit `{code['commit'][:12]}`, in 2 sittings", f.read())
+            self.assertIn(f"at commit `{code['commit'][:12]}`, in 1 sitting", f.read())
+
+    def test_an_unfinished_run_is_not_replaced_without_new_run(self):
+        out = self.get_temp_dir()
+        with open(os.path.join(out, "run_all.json"), "w") as f:
+            json.dump({"commit": "0" * 40, "dirty": False, "size": "full", "peer": True,
+                       "run": "r0", "sittings": [], "benchmarks": {
+                           "rates": {"finished": True}, "embedding": {"sittings": 1}}}, f)
+        done = self._run_all(out, "--only=faults")
+        self.assertNotEqual(done.returncode, 0)
+        self.assertIn("records an unfinished run (at commit " + "0" * 40 + "; not finished: "
+                      "embedding): carry it on with --resume, or start a new run over it "
+                      "with --new_run", done.stderr)
+
+    def test_a_sitting_runs_what_the_run_has_not_finished_keeping_shared_files(self):
+        everything = [*run_all.BENCHMARKS, "scaling"]
+        fresh = run_all.plan(everything, "full", {"benchmarks": {}})
+        self.assertEqual([step[0] for step in fresh],
+                         ["rates", "straggler", "quality", "compression", "network",
+                          "network_n8", "network_sgp", "embedding", "faults", "scaling"])
+        # A new run removes each file once, before its first writer; nothing carries on.
+        self.assertEqual([(name, file, f, c) for name, _, file, f, c in fresh
+                          if name.startswith("network")],
+                         [("network", "network", True, False),
+                          ("network_n8", "network", False, False),
+                          ("network_sgp", "network_sgp", True, False)])
+        # Stopped in network_n8 after network finished, and in the embedding matrix: the
+        # next sitting keeps network.json (network's part) and carries the matrix on.
+        record = {"benchmarks": {name: {"finished": True} for name in
+                                 ("rates", "straggler", "quality", "compression", "network")}}
+        record["benchmarks"]["network_n8"] = {"sittings": 1}
+        steps = run_all.plan(everything, "full", record)
+        self.assertEqual([(name, file, f, c) for name, _, file, f, c in steps], [
+            ("network_n8", "network", False, False), ("network_sgp", "network_sgp", True, False),
+            ("embedding", "embedding", True, False), ("faults", "faults", True, False),
+            ("scaling", "scaling", True, False)])
+        record["benchmarks"].update(network_n8={"finished": True},
+                                    network_sgp={"finished": True},
+                                    embedding={"sittings": 1}, faults={"failed": "exit 1"})
+        steps = run_all.plan(["embedding", "faults"], "full", record)
+        self.assertEqual([(name, f, c) for name, _, _, f, c in steps],
+                         [("embedding", False, True), ("faults", False, False)])
+        # The quick size has no network_n8.
+        self.assertNotIn("network_n8",
+                         [step[0] for step in run_all.plan(everything, "quick",
+                                                           {"benchmarks": {}})])
+        self.assertEqual(run_all.unfinished(record), ["embedding", "faults"])
+
+    def test_an_interleaved_matrix_carries_on_where_it_stopped(self):
+        keys = ["a", "b", "once"]
+        every = list(machine.interleaved(keys, 3, {}, once=lambda key: key == "once"))
+        self.assertEqual(every, [(0, "a"), (0, "b"), (0, "once"), (1, "a"), (1, "b"),
+                                 (2, "a"), (2, "b")])
+        # Stopped after the second run of "a": the rest, in the same order.
+        made = {"a": 2, "b": 1, "once": 1}
+        self.assertEqual(list(machine.interleaved(keys, 3, made, once=lambda k: k == "once")),
+                         [(1, "b"), (2, "a"), (2, "b")])
+
+    def test_a_result_file_is_written_whole_or_not_at_all(self):
+        path = os.path.join(self.get_temp_dir(), "sub", "r.json")
+        machine.write_json(path, {"a": 1})
+        machine.write_json(path, {"a": 2})
+        with open(path) as f:
+            self.assertEqual(json.load(f), {"a": 2})
+        self.assertEqual(os.listdir(os.path.dirname(path)), ["r.json"])
 
     def test_report_header_names_the_run_its_sittings_and_other_commits(self):
         out = self.get_temp_dir()
         with open(os.path.join(out, "run_all.json"), "w") as f:
             json.dump({"commit": "f" * 40, "dirty": False, "size": "full", "peer": True,
+                       "run": "r1",
                        "sittings": [{"started": "2026-01-01T00:00:00Z"},
                                     {"started": "2026-01-02T00:00:00Z"}],
                        "benchmarks": {"rates": {"finished": True},
                                       "faults": {"failed": "exit 1"},
                                       "embedding": {"sittings": 2}}}, f)
-        text = _report_of(out, {"faults": _faults_fixture()})
+        ours = _embedding_fixture()
+        ours["stamp"]["run"] = "r1"
+        with open(os.path.join(out, "truncated.json"), "w") as f:
+            f.write('{"stamp": {"co')  # (a write cut short: it is named, nothing fails)
+        text = _report_of(out, {"faults": _faults_fixture(), "embedding": ours})
         self.assertIn("This run: `run_all.py --size=full` with the tf_keras peer at commit "
-                      "`ffffffffffff`, in 2 sittings (from 2026-01-01T00:00:00Z to "
-                      "2026-01-02T00:00:00Z). Finished: rates. Failed: faults. Not finished "
-                      "(stopped): embedding. **Results of another commit in this directory** "
-                      "(their tables say so): faults.json (fedcba987654).", text)
+                      "`ffffffffffff`, in 2 sittings (the first started 2026-01-01T00:00:00Z, "
+                      "the last 2026-01-02T00:00:00Z). Finished: rates. Failed: faults. Not "
+                      "finished (stopped): embedding. **Results not of this run in this "
+                      "directory** (their tables name their commits): faults.json "
+                      "(fedcba987654, by hand), truncated.json (cannot be read: ", text)
+        self.assertNotIn("embedding.json (", text)
 
     def test_an_embedding_run_of_several_sittings_says_so(self):
         result = _embedding_fixture()

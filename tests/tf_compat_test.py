@@ -12,6 +12,7 @@ import re
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.saving import save_model as save_model_imported_early
 
 import tfdist
 from tfdist import _tf_compat
@@ -447,6 +448,11 @@ class AccessorsTest(tf.test.TestCase):
                 reads.append(("weights", snapshot.active()))
                 return super().weights
 
+            @property
+            def trainable_weights(self):
+                reads.append(("weights", snapshot.active()))
+                return super().trainable_weights
+
             def save_own_variables(self, store):
                 reads.append(("saved", snapshot.active()))
                 super().save_own_variables(store)
@@ -458,6 +464,20 @@ class AccessorsTest(tf.test.TestCase):
         model.save_weights(os.path.join(directory, "m.weights.h5"))
         model.save(os.path.join(directory, "m.keras"))
         self.assertEqual({name for name, _ in reads}, {"weights", "saved"})
+        self.assertTrue(all(active for _, active in reads), reads)
+        # Every route to a file as well: the functions, their names in `keras.models` and
+        # `tf.keras`, and one imported before the wrapping (as a user's module would).
+        del reads[:]
+        keras.saving.save_model(model, os.path.join(directory, "f.keras"))
+        keras.models.save_model(model, os.path.join(directory, "g.keras"))
+        tf.keras.models.save_model(model, os.path.join(directory, "h.keras"))
+        save_model_imported_early(model, os.path.join(directory, "i.keras"))
+        keras.saving.save_weights(model, os.path.join(directory, "j.weights.h5"))
+        self.assertEqual([name for name, _ in reads].count("saved"), 5)
+        self.assertTrue(all(active for _, active in reads), reads)
+        del reads[:]
+        model.save(os.path.join(directory, "k.h5"))  # the legacy HDF5 format
+        self.assertNotEmpty(reads)
         self.assertTrue(all(active for _, active in reads), reads)
         self.assertFalse(snapshot.active())
 

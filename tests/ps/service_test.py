@@ -461,6 +461,24 @@ class RunOwnershipTest(tf.test.TestCase):
         answers = agree_on_one_run(worker1, first + self.say_hello(worker1[1:]), "job-1")
         self.assertEqual([(a["initialized"], a["chief"]) for a in answers],
                          [(True, True), (True, True)])
+        # A refusal that comes after the chief initialised the run (a worker that saw two
+        # runs meanwhile) is a race, not a bad message: a warning, and the run goes on. One
+        # naming another run is ignored as bad.
+        run = ps0.current
+        with self.assertLogs("tfdist", "WARNING") as logs:
+            ps0.handle_control(wire.encode({"type": "refused", "rank": 1, "run": run.run,
+                                            "error": "two runs"}))
+        self.assertEqual([r.levelname for r in logs.records], ["WARNING"])
+        self.assertRegex(logs.output[0], r"/job:worker/task:1 refused run \S+ after its chief "
+                                         r"had initialised it: the run is not ended for it; "
+                                         r"that worker stops \(two runs\)")
+        self.assertIsNone(run.refused)
+        with self.assertLogs("tfdist", "ERROR") as logs:
+            ps0.handle_control(wire.encode({"type": "refused", "rank": 1, "run": "other",
+                                            "error": "two runs"}))
+        self.assertRegex(logs.output[0], r"ignored a bad control message.*it refuses run "
+                                         r"'other', which is not this ps task's current run")
+        self.assertIs(ps0.current, run)
 
     def test_a_run_handed_to_its_chief_outlives_the_next_hello(self):
         # The chief, back after its run finished, is handed it: it reads the masters after

@@ -12,6 +12,9 @@ Scenarios (`--sgp_scenario`; every run passes `--strategy=sgp`):
                then restores each worker's push-sum weight and step.
   long         the default settings, trained long enough to be killed mid-run; prints READY
                and the logs after the first epoch.
+  diverging    a graph function that answers differently on each worker after step
+               DIVERGE (`diverging_graph`), batches of 2: trains `--epochs`, joins, and
+               writes its progress.
 """
 
 import json
@@ -28,7 +31,8 @@ from tfdist.gossip import state as gossip_state
 
 # ps_program defines --out_dir, --epochs and the strategy flags (run with --strategy=sgp).
 FLAGS = flags.FLAGS
-flags.DEFINE_enum("sgp_scenario", "equivalence", ["equivalence", "long"], "What to run.")
+flags.DEFINE_enum("sgp_scenario", "equivalence", ["equivalence", "long", "diverging"],
+                  "What to run.")
 
 BATCH = 14
 # Steps of the first fit (fully connected): 2 epochs (`--epochs=2`) of 42 rows (128 // 3) in
@@ -43,6 +47,20 @@ def phased_graph(step, rank, num_workers):
         return [peer for peer in range(num_workers) if peer != rank]
     hub = step % num_workers
     return [(hub + 1) % num_workers] if rank == hub else [hub]
+
+
+DIVERGE = 40
+
+
+def diverging_graph(step, rank, num_workers):
+    """A ring for DIVERGE steps (the steps checked before the first one agree); then a hop of
+    1 or 2 in a phase of the calling process's own (its task index, as a function reading its
+    host or process id would): a receiver that computed its senders' answers itself would
+    wait at step DIVERGE for a message never sent."""
+    if step < DIVERGE:
+        return [(rank + 1) % num_workers]
+    process = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    return [(rank + 1 + (process + step) % 2) % num_workers]
 
 
 class Observe(keras.layers.Layer):
@@ -110,6 +128,8 @@ def main(argv):
     overrides = {}
     if FLAGS.sgp_scenario == "equivalence":
         overrides = {"graph": phased_graph, "peers_per_step": 2, "overlap": False}
+    elif FLAGS.sgp_scenario == "diverging":
+        overrides = {"graph": diverging_graph}
     strategy = tfdist.strategies.from_flags(**overrides)
     rank = strategy.worker_index
     with strategy.scope():
@@ -123,6 +143,11 @@ def main(argv):
     if FLAGS.sgp_scenario == "long":
         model.fit(xs, ys, callbacks=[Ready()], **fit)
         raise AssertionError("worker 1 should have been killed, and this worker stopped")
+    if FLAGS.sgp_scenario == "diverging":
+        model.fit(xs, ys, **dict(fit, batch_size=2))
+        strategy.join()
+        save(f"worker{rank}.json", progress=strategy.progress())
+        return
     first = model.fit(xs, ys, **fit)
     result.update(connected=weights(), first=history_of(first))
     second = model.fit(xs, ys, **fit)

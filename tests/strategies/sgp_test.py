@@ -269,6 +269,9 @@ class Wire:
                     if receiver != rank:
                         wire.plans[receiver, rank].put(
                             (kind, value, np.asarray(peers, np.int64).reshape([-1])))
+                # As `GossipNode.send_plan`: the bytes of the plan (int64 kind, value and
+                # peers) to each other worker.
+                return 8 * (2 + np.size(peers)) * (num_workers - 1)
 
             def take_plan(self, sender):
                 return wire.plans[rank, sender].get(timeout=HANG_BOUND)
@@ -312,6 +315,7 @@ class PlansTest(tf.test.TestCase):
 
         wire = Wire(num_workers)
         failures, taken = [], {r: [] for r in range(num_workers)}
+        plan_bytes = {}
 
         def work(rank):
             # The engine's step with overlap=False: send, count, take (an END in place of
@@ -332,6 +336,7 @@ class PlansTest(tf.test.TestCase):
                                 break
                             taken[rank].append((step, sender, tag))
                 plans.end(steps[rank])
+                plan_bytes[rank] = plans.bytes_sent
                 for peer in range(num_workers):
                     if peer != rank:
                         wire.inboxes[peer, rank].put("END")
@@ -358,6 +363,12 @@ class PlansTest(tf.test.TestCase):
                          sum(steps.values()))
         # At step 40 worker 0 hears from worker 1 too, as worker 1 decided.
         self.assertIn((40, 1, 40), taken[0])
+        # The plans' bytes (in `progress()["bytes_sent"]`): chunks 0-4 of 32 steps (100
+        # steps: the chunk after the last step's is announced too; worker 2, 70 steps: 0-3)
+        # of 2 + 32 int64 words to each of 2 peers, and an end of 2 words to each.
+        self.assertEqual(plan_bytes, {0: 5 * 544 + 32, 1: 5 * 544 + 32, 2: 4 * 544 + 32})
+        self.assertEqual(protocol.pack_plan(protocol.PLAN_PEERS, 3,
+                                            np.zeros([32, 1], np.int32)).shape, [2 * 34])
 
     def test_a_dead_sender_fails_the_receivers_wait_for_its_plan_naming_it(self):
         wire = Wire(2)
@@ -496,9 +507,13 @@ class ClusterTest(tf.test.TestCase):
             # Not when the optimizer is made, once compile puts it to use.
             self.assertEqual(worker["gossip_state_attached"], [False, True])
             # 6 steps to 2 peers, 6 (worker 0: 7) to 1; 4 bytes x (7 head words + 178
-            # parameters) each.
+            # parameters) each. And the plans of the callable graph (`tfdist.gossip.plans`):
+            # chunks 0 and 1 of 32 steps of 2 peers (2 + 64 int64 words), and the end (2
+            # words), to each of 2 peers.
+            plans = 2 * (2 * 8 * (2 + 64) + 8 * 2)
+            self.assertEqual(worker["progress"]["plan_bytes_sent"], plans)
             self.assertEqual(worker["progress"]["bytes_sent"],
-                             (19 if rank == 0 else 18) * 4 * (7 + 178))
+                             (19 if rank == 0 else 18) * 4 * (7 + 178) + plans)
             self.assertEqual(worker["progress"]["peer_steps"],
                              [None if r == rank else 13 if r == 0 else 12 for r in range(3)])
             self.assertAllClose(worker["progress"]["final_weight_sum"], 3.0, rtol=1e-6)
@@ -524,6 +539,28 @@ class ClusterTest(tf.test.TestCase):
                                         custom_objects={"Observe": sgp_program.Observe})
         for got, want in zip(plain.get_weights(), workers[1]["before_join_weights"]):
             self.assertAllEqual(got, np.array(want, "float32"))
+
+    def test_a_graph_answering_differently_on_each_worker_leaves_nobody_waiting(self):
+        # After step 40 each process answers the graph function its own way (issue 22: a
+        # cluster of 3 hung there when receivers computed their senders' answers). Each
+        # sender's plan says what it sends: every worker ends, every message sent is taken,
+        # and the push-sum mass is whole.
+        out = self.get_temp_dir()
+        cluster, result = run_cluster(out, 3, "--strategy=sgp", "--epochs=4",
+                                      "--sgp_scenario=diverging", num_ps=0, program=PROGRAM)
+        self.assertEqual(result.returncode, 0, cluster_log(cluster))
+        progress = [load_result(out, f"worker{r}.json")["progress"] for r in range(3)]
+        steps = 4 * (ps_program.ROWS // 3 // 2)
+        self.assertGreater(steps, sgp_program.DIVERGE + 20)
+        sent = [(p["bytes_sent"] - p["plan_bytes_sent"]) // (4 * (7 + 178)) for p in progress]
+        self.assertEqual(sent, [steps] * 3)  # one peer a step
+        self.assertEqual(sum(p["messages_received"] for p in progress), sum(sent))
+        for p in progress:
+            self.assertEqual(p["step"], steps)
+            # Chunks 0-3 of 32 steps (84 steps: the chunk after the last step's too) of
+            # 2 + 32 int64 words, and the end of 2, to each of 2 peers.
+            self.assertEqual(p["plan_bytes_sent"], 4 * 544 + 32)
+            self.assertAllClose(p["final_weight_sum"], 3.0, rtol=1e-6)
 
     def test_a_killed_worker_is_named_and_no_peer_hangs(self):
         # About 40 s. The default settings (overlap, exponential graph: with 3 workers every

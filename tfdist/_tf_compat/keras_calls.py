@@ -142,27 +142,34 @@ def keras_own_train_step(fn):
 def keras_whole_model_reads(context):
     """Runs Keras's whole-model reads inside `context()` (a context manager factory):
     `Model.save`, `Model.save_weights` and `Layer.get_weights`, which `ModelCheckpoint`,
-    `BackupAndRestore` and `EarlyStopping` call. Keras has no hook around a read of the whole
-    model, so those methods of its base classes are wrapped, once per `context`."""
+    `BackupAndRestore` and `EarlyStopping` call, and the functions every route to a saved
+    model or weights file ends in (`keras.saving.save_model`, `keras.saving.save_weights`,
+    their `keras.models` and `tf.keras` names, a name imported before this ran): Keras's own
+    `saving_lib.save_model`, `saving_lib.save_weights_only` and the legacy
+    `save_model_to_hdf5`, which Keras's modules look up when they call them. Keras has no
+    hook around a read of the whole model, so those methods of its base classes and those
+    functions of its private modules (`keras.src`: no public name reaches them) are wrapped,
+    once per `context`."""
     import functools
 
     import keras
+    from keras.src.legacy.saving import legacy_h5_format
+    from keras.src.saving import saving_lib
+
+    def wrap(original):
+        @functools.wraps(original)
+        def read_whole(*args, **kwargs):
+            with context():
+                return original(*args, **kwargs)
+        read_whole._tfdist_original = original
+        read_whole._tfdist_reads_in = context
+        return read_whole
 
     for owner, name in ((keras.Model, "save"), (keras.Model, "save_weights"),
-                        (keras.layers.Layer, "get_weights")):
+                        (keras.layers.Layer, "get_weights"), (saving_lib, "save_model"),
+                        (saving_lib, "save_weights_only"),
+                        (legacy_h5_format, "save_model_to_hdf5")):
         method = owner.__dict__[name]
         if getattr(method, "_tfdist_reads_in", None) is context:
             continue
-        original = getattr(method, "_tfdist_original", method)
-
-        def wrap(original):
-            @functools.wraps(original)
-            def read_whole(self, *args, **kwargs):
-                with context():
-                    return original(self, *args, **kwargs)
-            return read_whole
-
-        wrapped = wrap(original)
-        wrapped._tfdist_original = original
-        wrapped._tfdist_reads_in = context
-        setattr(owner, name, wrapped)
+        setattr(owner, name, wrap(getattr(method, "_tfdist_original", method)))

@@ -362,9 +362,13 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
 
     def progress(self):
         stats = [int(s) for s in self._stats.numpy()]
+        # A callable graph's plans travel too (`tfdist.gossip.plans`): counted in
+        # `bytes_sent`, and on their own.
+        plan_bytes = self._plans.bytes_sent if self._plans is not None else 0
         return {"step": int(self._step.numpy()), "push_sum_weight": float(self._weight.numpy()),
                 "messages_received": stats[0], "messages_late": stats[1],
-                "message_delay_max": stats[2], "gossip_waits": stats[3], "bytes_sent": stats[4],
+                "message_delay_max": stats[2], "gossip_waits": stats[3],
+                "bytes_sent": stats[4] + plan_bytes, "plan_bytes_sent": plan_bytes,
                 "final_weight_sum": self._final_weight_sum, "peer_steps": self._peer_steps}
 
     # Ending ------------------------------------------------------------------------------

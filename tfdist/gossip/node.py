@@ -136,10 +136,13 @@ class GossipNode:
                                              components=[tf.cast(peers, tf.int32), message])
 
     def send_plan(self, kind, value, peers):
-        """Sends a plan (`tfdist.gossip.plans`) to every peer (eagerly)."""
+        """Sends a plan (`tfdist.gossip.plans`) to every peer (eagerly); returns the bytes
+        it puts on the network (the plan to each of them)."""
         others = [protocol.PLAN] + [r for r in range(self.num_workers) if r != self.rank]
         with tf.init_scope():
-            self.send(tf.constant(others), protocol.pack_plan(kind, value, peers))
+            plan = protocol.pack_plan(kind, value, peers)
+            self.send(tf.constant(others), plan)
+        return 4 * int(plan.shape[0]) * (len(others) - 1)
 
     def take_plan(self, sender):
         """The next plan from `sender` (eagerly, waiting for it): `(kind, value, peers)`."""

@@ -43,13 +43,14 @@ class Plans:
         self._first = {}  # sender: the first chunk it announced
         self._ended = {}  # sender: its step count when it ended (it sends nothing after)
         self._lock = threading.Lock()
+        self.bytes_sent = 0  # of this worker's plans, to all its peers
 
     def _own_chunk(self, chunk):
         if chunk not in self._own:
             steps = range(chunk * CHUNK, (chunk + 1) * CHUNK)
             self._own[chunk] = np.stack([self.schedule.padded_out_peers(k, self.rank)
                                          for k in steps])
-            self.node.send_plan(protocol.PLAN_PEERS, chunk, self._own[chunk])
+            self.bytes_sent += self.node.send_plan(protocol.PLAN_PEERS, chunk, self._own[chunk])
         return self._own[chunk]
 
     def start(self, step):
@@ -81,7 +82,9 @@ class Plans:
 
     def end(self, steps):
         """Tells every peer that this worker took its last step (`steps` steps)."""
-        self.node.send_plan(protocol.PLAN_END, steps, np.zeros([0], np.int32))
+        sent = self.node.send_plan(protocol.PLAN_END, steps, np.zeros([0], np.int32))
+        with self._lock:  # (not around the send: `in_counts` holds it while it waits)
+            self.bytes_sent += sent
 
     def _peers_of(self, sender, step):
         """`sender`'s out-peers at `step` (None: it sends nothing then)."""

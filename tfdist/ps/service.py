@@ -463,9 +463,17 @@ class PSService:
         (`tfdist.ps.client.agree_on_one_run`): if its chief has not initialised it, it ends
         with that worker's error, which every worker in it is then told."""
         check_rank(message["rank"], run.num_workers, "refused")
-        if message["run"] != run.run or all(is_initialized(v) for v in run.masters.values()):
-            raise BadControlMessage(f"it refuses run {message['run']!r}: only the current "
-                                    f"run ({run.run}) can be refused, until it is initialised")
+        if message["run"] != run.run:
+            raise BadControlMessage(f"it refuses run {message['run']!r}, which is not this "
+                                    f"ps task's current run ({run.run})")
+        if all(is_initialized(v) for v in run.masters.values()):
+            # A race, not a bad message: the worker saw two runs while the chief initialised
+            # this one. The run is not ended for it; the worker stops with its error (and
+            # the run counts it gone, as any worker that leaves).
+            log.warning("tfdist: %s: %s refused run %s after its chief had initialised it: "
+                        "the run is not ended for it; that worker stops (%s)", self.task,
+                        run.spec.worker_tasks[message["rank"]], run.run, message["error"])
+            return
         run.refused = (f"{run.spec.worker_tasks[message['rank']]} refused run {run.run}, "
                        f"which its chief had not initialised: {message['error']}")
         log.error("tfdist: %s: %s", self.task, run.refused)

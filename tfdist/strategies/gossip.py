@@ -126,7 +126,9 @@ class StochasticGradientPushStrategy(WorkerTasksMixin, tf.distribute.Strategy):
         """This worker's gossip: its step, push_sum_weight, messages_received (the
         training messages it took, in its steps and in `join`: summed over the workers
         after `join`, what they sent), messages_late, message_delay_max, gossip_waits,
-        bytes_sent (the messages this worker's courier carries, one per out-peer) and,
+        bytes_sent (the training messages this worker's courier carries, one per out-peer
+        a step, and under a callable graph its plans), plan_bytes_sent (those plans: each
+        chunk of its answers, sent to every other worker) and,
         after `join`, peer_steps (the training steps each peer took, by rank) and with a
         final average final_weight_sum (the push-sum mass of all the workers, num_workers
         in exact arithmetic)."""
