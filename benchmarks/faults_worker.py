@@ -44,14 +44,19 @@ def data():
 
 
 class _Count(keras.callbacks.Callback):
-    """Counts the steps this process completed (on disk after each), prints `EPOCH n`."""
+    """Counts the steps this process completed (on disk after each), prints `EPOCH n`. A
+    step of a worker handed its finished run (a chief restarted after the others finished:
+    its `fit` ends after one step that trains nothing and pushes nothing) is not a push."""
 
-    def __init__(self, path):
+    def __init__(self, path, extended):
         super().__init__()
         self.steps = 0
+        self._extended = extended
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def on_train_batch_end(self, batch, logs=None):
+        if getattr(self._extended, "run_finished", False):
+            return
         self.steps += 1
         os.pwrite(self._fd, f"{self.steps:12d}\n".encode(), 0)
 
@@ -74,7 +79,7 @@ def main(argv):
         model.compile(optimizer=keras.optimizers.SGD(0.05),
                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     pid = os.getpid()
-    count = _Count(os.path.join(FLAGS.out_dir, f"pushes.{rank}.{pid}"))
+    count = _Count(os.path.join(FLAGS.out_dir, f"pushes.{rank}.{pid}"), strategy.extended)
     backup = keras.callbacks.BackupAndRestore(os.path.join(FLAGS.out_dir, f"backup{rank}"))
     model.fit(x, y, batch_size=BATCH, epochs=FLAGS.epochs, shuffle=False, verbose=0,
               callbacks=[backup, count])

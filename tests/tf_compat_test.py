@@ -479,6 +479,25 @@ class AccessorsTest(tf.test.TestCase):
         model.save(os.path.join(directory, "k.h5"))  # the legacy HDF5 format
         self.assertNotEmpty(reads)
         self.assertTrue(all(active for _, active in reads), reads)
+
+        # TensorFlow's checkpoints: `save`, `write` and a manager's `save` read every
+        # variable inside one context (a snapshot per shard).
+        class Recorded(_tf_compat.Trackable):
+            def _serialize_to_tensors(self):
+                reads.append(("checkpoint", snapshot.active()))
+                return {"x": tf.constant(1.0)}
+
+            def _restore_from_tensors(self, restored_tensors):
+                return tf.no_op()
+
+        checkpoint = tf.train.Checkpoint(recorded=Recorded())
+        manager = tf.train.CheckpointManager(checkpoint, os.path.join(directory, "managed"), 1)
+        for save in (lambda: checkpoint.write(os.path.join(directory, "written")),
+                     lambda: checkpoint.save(os.path.join(directory, "saved")), manager.save):
+            del reads[:]
+            save()
+            self.assertNotEmpty(reads)
+            self.assertEqual(set(reads), {("checkpoint", True)})
         self.assertFalse(snapshot.active())
 
     def test_keras_name_scope_for_path(self):

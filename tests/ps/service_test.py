@@ -6,6 +6,7 @@ The service's queues live on the local CPU: no cluster.
 """
 
 import sys
+import time
 import types
 
 import tensorflow as tf
@@ -438,6 +439,37 @@ class RunOwnershipTest(tf.test.TestCase):
         self.assertRegex(replacement.failure, r"^/job:worker/task:1 refused run \S+, which "
                                               r"its chief had not initialised: the ps tasks "
                                               r"do not hold one run")
+
+    def test_a_worker_counted_out_that_syncs_without_a_hello_is_fenced(self):
+        # Worker 1 was declared dead (a stopped process), then wakes: its push is fenced
+        # (tests/ps/updater_test.py), and its exit syncs. That SYNC, with no hello since,
+        # used to take it back into the run (LIVE again: the chief's join() waited for it).
+        # It is told it is counted out instead; a new process (hello, then SYNC) rejoins.
+        service = PSService(types.SimpleNamespace(task_index=0), device=DEVICE)
+        run = self.start_run(service, "job-1")
+        self.serves(run, ranks=(0, 1))
+        with self.assertLogs("tfdist", "WARNING") as logs:
+            run.send_control(protocol.DEAD, 1)
+            deadline = time.monotonic() + 60  # a bound against a hang
+            while not any("going on with" in line for line in logs.output):
+                self.assertLess(time.monotonic(), deadline)
+                time.sleep(0.01)
+        self.assertRegex("\n".join(logs.output), r"/job:worker/task:1 at localhost:2 died; "
+                                                 r"going on with 1 worker")
+        self.assertEqual(run.members.status[1], protocol.DIED)
+        run.send_control(protocol.SYNC, 1)
+        with tf.device(run.device):
+            token, message, _, _ = tf.raw_ops.QueueDequeueV2(
+                handle=run.reply_queues[1], component_types=wire.REPLY_DTYPES)
+        self.assertEqual(int(token), -1)
+        self.assertRegex(message.numpy().decode(), r"this worker's push was refused: the run "
+                                                   r"counts it out")
+        self.assertEqual(run.members.status[1], protocol.DIED)
+        service.handle_control(hello(rank=1, job="job-1"))
+        self.assertIsNone(self.answer(service, 1)["error"])
+        run.send_control(protocol.SYNC, 1)
+        self.serves(run, ranks=(1,))
+        self.assertEqual(run.members.status[1], protocol.LIVE)
 
     def test_workers_starting_a_job_at_once_may_start_its_run_on_different_ps_tasks(self):
         # Worker 1's hello starts the run on ps:0; then the chief says hello to both (it

@@ -298,6 +298,48 @@ class StalenessTest(tf.test.TestCase):
         self.assertAllClose(shard.value("d/w"), w3, rtol=1e-6)
 
 
+class FenceTest(tf.test.TestCase):
+    """A worker the run counts out (declared dead: it stopped answering for stall_timeout)
+    that wakes up and pushes (issue 22): before, its pushes were applied, and counted toward
+    an update's N, silently."""
+
+    def test_a_push_of_a_worker_counted_out_is_refused_and_its_worker_told(self):
+        w0 = np.array([1.0, -2.0], np.float32)
+        g = np.array([[0.5, 1.0], [8.0, 8.0]], np.float32)
+        for policy in (SoftSyncPolicy(1, 2), AsyncPolicy(),
+                       AsyncPolicy(delay_compensation=0.5)):
+            with self.subTest(policy=type(policy).__name__, spec=policy.to_spec()):
+                shard = Shard([entry("d/w", [2])], policy, {"d/w": w0}, optimizer=sgd(0.1))
+                shard.graph.release_one(tf.constant(0))  # worker 0 joins: it reads w0
+                self.assertEqual([m for _, m, _ in shard.replies(0)], [protocol.SYNC_MESSAGE])
+                shard.live = tf.constant([True, False])  # worker 1 was declared dead
+                shard.push(0, 1, g[1])
+                shard.push(0, 0, g[0])
+                shard.serve(required=1)
+                want = w0 - 0.1 * g[0]
+                self.assertAllClose(shard.value("d/w"), want, rtol=1e-6)
+                (token, message, values), = shard.replies(1)
+                self.assertEqual(token, protocol.FENCED)
+                self.assertRegex(message, r"^tfdist: /job:ps/task:0: this worker's push was "
+                                          r"refused: the run counts it out \(it was declared "
+                                          r"dead .*restart it: a new process rejoins")
+                self.assertEqual(values.size, 0)
+                (token, message, values), = shard.replies(0)
+                self.assertEqual((token, message), (1, ""))
+                self.assertAllClose(values, want, rtol=1e-6)
+                progress = shard.progress_dict()
+                self.assertEqual((progress["aggregated_gradients"],
+                                  progress["dropped_gradients"]), (1, 1))
+        # A rank out of range (a forged push) is dropped, with nobody to tell.
+        shard = Shard([entry("d/w", [2])], AsyncPolicy(), {"d/w": w0}, optimizer=sgd(0.1))
+        shard.push(0, 7, g[1])
+        shard.push(0, 0, g[0])
+        shard.serve()
+        self.assertAllClose(shard.value("d/w"), w0 - 0.1 * g[0], rtol=1e-6)
+        self.assertEqual(shard.replies(1), [])
+        self.assertEqual(shard.progress_dict()["dropped_gradients"], 1)
+
+
 class GlobalStepTest(tf.test.TestCase):
     """The global step (pushes' tags, staleness, stale-push dropping) is the updater's own
     count of updates, not the optimizer's `iterations`, which a user's load rewinds."""

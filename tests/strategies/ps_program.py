@@ -51,6 +51,8 @@ flags.DEFINE_enum("model", "mlp", ["mlp", "embedding"],
                   "Embedding(48, 4) (a sparse gradient), then Dense(2).")
 flags.DEFINE_integer("slow_rank", -1, "A worker that sleeps after each step.")
 flags.DEFINE_float("slow_delay", 0.05, "Its sleep, in seconds.")
+flags.DEFINE_string("hold_file", None, "The slow worker, after its pause, also waits for "
+                    "this file (a test's signal).")
 flags.DEFINE_float("pause", 0.0, "The slow worker's pause after its first epoch, in seconds "
                    "(a long validation or checkpoint: no push meanwhile).")
 flags.DEFINE_integer("stop_rank", -1, "A worker that stops itself with SIGSTOP after its "
@@ -132,6 +134,22 @@ def save(name, **values):
         json.dump(values, f)
 
 
+def tf_checkpoint_round_trip(model):
+    """The model and optimizer as the chief reads them (the masters, after `join()`), and as
+    a plain Keras model and optimizer restore them from a `tf.train.Checkpoint` of both
+    written by the chief."""
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
+        os.path.join(FLAGS.out_dir, "tf_checkpoint"))
+    plain = build_model(FLAGS.optimizer)
+    plain.optimizer.build(plain.trainable_variables)
+    # (the strategy's state beside the optimizer, a compressor's residuals: not in plain)
+    tf.train.Checkpoint(model=plain, optimizer=plain.optimizer).read(path).expect_partial()
+    values = lambda variables: [np.asarray(v.numpy()).tolist() for v in variables]  # noqa: E731
+    return {"weights": values(model.weights), "optimizer": values(model.optimizer.variables),
+            "restored_weights": values(plain.weights),
+            "restored_optimizer": values(plain.optimizer.variables)}
+
+
 def codec_state(model):
     """The worker's codec state (push residuals) as saved: `{name: list}`, or None."""
     state = getattr(model.optimizer, "tfdist_compression_state", None)
@@ -174,6 +192,8 @@ class Slow(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if epoch == 0:
             time.sleep(FLAGS.pause)
+            if FLAGS.hold_file:
+                wait_for_file(FLAGS.hold_file, 120)
 
 
 class StopSelf(keras.callbacks.Callback):
@@ -339,6 +359,8 @@ def main(argv):
                               verbose=0)
             save("second_fit.json", epochs=len(again.epoch))
     strategy.join()
+    if FLAGS.scenario == "checkpoint" and strategy.is_chief:
+        save("tf_checkpoint.json", **tf_checkpoint_round_trip(model))
     evaluation = model.evaluate(x, y, batch_size=64, verbose=0)
     # With a table on the ps, `predict` looks its rows up there too.
     predictions = (model.predict(x[:24], batch_size=16, verbose=0).tolist()

@@ -382,7 +382,7 @@ class PlansTest(tf.test.TestCase):
 class PeerWatchTest(tf.test.TestCase):
     """The watcher of a node made by hand (no server, no courier), with a scripted probe."""
 
-    def watch(self, probe_class, peer_timeout, stall_timeout):
+    def watch(self, probe_class, peer_timeout, stall_timeout, courier_exited=False):
         """Runs the watcher of worker 0 of 3 (peers 1 and 2 at localhost:1 and :2) until it
         reports a peer, within a bound; returns `(node, reported, seconds)`."""
         node = node_lib.GossipNode.__new__(node_lib.GossipNode)
@@ -390,7 +390,7 @@ class PeerWatchTest(tf.test.TestCase):
         node.names = [f"/job:worker/task:{r}" for r in range(3)]
         node.addresses = ["localhost:0", "localhost:1", "localhost:2"]
         node.expected, node.peer_timeout, node.stall_timeout = {1, 2}, peer_timeout, stall_timeout
-        node.courier = types.SimpleNamespace(poll=lambda: None)
+        node.courier = types.SimpleNamespace(poll=lambda: 1 if courier_exited else None)
         node._lock, node._stop, node._why = threading.Lock(), threading.Event(), {}
         reported = []
         node._report = reported.append
@@ -431,6 +431,37 @@ class PeerWatchTest(tf.test.TestCase):
         self.assertRegex(node.dead_message(1),
                          r"/job:worker/task:1 at localhost:1 stopped answering \(no answer for "
                          r"\d+ s, stall_timeout=1 s; DeadlineExceededError: Deadline Exceeded\)")
+
+    def test_an_exited_courier_names_the_peer_that_does_not_answer_else_itself(self):
+        # The courier exits when a peer dies or hangs under it (its connection fails, or
+        # never opens): the worker names that peer, gone or stopped with its port open. (A
+        # TCP connect, which the kernel answers for a stopped process, named the courier:
+        # issue 22.) With every peer answering, the courier itself.
+        for answers, blamed, why in (
+                ({"localhost:1": ANSWERED, "localhost:2": STALLED}, 2,
+                 r"/job:worker/task:2 at localhost:2 stopped answering \(DeadlineExceeded"),
+                ({"localhost:1": GONE, "localhost:2": ANSWERED}, 1,
+                 r"/job:worker/task:1 at localhost:1 stopped answering \(nothing accepts"),
+                ({"localhost:1": ANSWERED, "localhost:2": ANSWERED}, 3,
+                 r"^tfdist: the courier of /job:worker/task:0 \(the process that carries its "
+                 r"messages to its peers\) exited")):
+            with self.subTest(answers=answers):
+                class Probe:
+                    def __init__(self, timeout):
+                        self.timeout = timeout
+                        self.errors = {"localhost:1": "nothing accepts connections there",
+                                       "localhost:2": "DeadlineExceededError: Deadline"}
+
+                    def __call__(self, address, task, answers=answers):
+                        return answers[address]
+
+                    def close(self):
+                        pass
+
+                node, reported, _ = self.watch(Probe, peer_timeout=60.0, stall_timeout=60.0,
+                                               courier_exited=True)
+                self.assertEqual(reported, [blamed])
+                self.assertRegex(node.dead_message(blamed), why)
 
     def test_a_stalled_peer_does_not_delay_another_peers_gone_verdict(self):
         # Peer 1 hangs: a probe of it takes its whole deadline, here until peer 2 has been

@@ -393,26 +393,43 @@ class FaultTest(tf.test.TestCase, parameterized.TestCase):
                                    r"gone", cluster_log(cluster))
 
 
-class StallTest(tf.test.TestCase):
+class StallTest(tf.test.TestCase, parameterized.TestCase):
     """Hung processes (SIGSTOP: the port stays open, nothing answers) with a short
-    stall_timeout: a stopped worker is dead after it, a stopped ps ends its workers, a
-    paused worker is never cut off. Every stopped task is sent SIGCONT, then SIGKILL, as
-    soon as the test is done with it. Cost: three small clusters (3 + 2 + 1 workers, one ps
-    each): 144 to 357 s in all over six runs at load 8-15 on 2 cores (soft sync 44-175 s, hard
-    sync 32-166 s, the stopped ps 24-123 s), most of it starting TensorFlow processes."""
+    stall_timeout: a stopped worker is dead after it (and fenced if it wakes), a stopped ps
+    ends its workers, a paused worker is never cut off. Every stopped task is sent SIGCONT,
+    then SIGKILL, as soon as the test is done with it. Cost: four small clusters (3 + 3 + 2 +
+    1 workers, one ps each): 144 to 357 s in all over six runs at load 8-15 on 2 cores for
+    the three of them before the async one joined (soft sync 44-175 s, hard sync 32-166 s,
+    the stopped ps 24-123 s), most of it starting TensorFlow processes."""
 
-    def test_soft_sync_goes_on_without_a_stopped_worker_and_keeps_a_paused_one(self):
-        # Soft sync 2 of 3, stall_timeout=4 s (a strategy argument). Worker 2 stops itself
-        # after its first epoch; worker 1 sleeps 6 s after its own (longer than the
-        # stall_timeout and the probe's 2 s deadline, its server answering all along).
-        # Workers 0 and 1 train every epoch; the chief's join() returns, worker 2 dead.
+    @parameterized.named_parameters(("soft_sync_2_of_3", "--strategy_arg=replicas_to_aggregate=2"),
+                                    ("async", "--strategy=async"))
+    def test_a_stopped_worker_is_counted_out_fenced_when_it_wakes_a_paused_one_kept(
+            self, strategy_flag):
+        # stall_timeout=4 s (a strategy argument). Worker 2 stops itself after its first
+        # epoch; worker 1 sleeps 6 s after its own (longer than the stall_timeout and the
+        # probe's 2 s deadline, its server answering all along), then waits for worker 2's
+        # end (the run must outlive it). Once the ps has counted worker 2 out, it is woken:
+        # its next push is refused, and it ends with the ps's error (it was applied,
+        # silently, before: issue 22), its exit's SYNC refused too (not taken back into the
+        # run). Workers 0 and 1 train every epoch; the chief's join() returns (under async
+        # it used to wait for the stopped worker for ever), worker 2 dead.
         out = self.get_temp_dir()
+        hold = os.path.join(out, "worker2_ended")
         with make_cluster(out, 3, "--scenario=long", "--epochs=8", "--stop_rank=2",
                           "--slow_rank=1", "--slow_delay=0", "--pause=6",
-                          "--strategy_arg=replicas_to_aggregate=2",
+                          f"--hold_file={hold}", strategy_flag,
                           "--strategy_arg=stall_timeout=4", stop_on_failure=False) as cluster:
             try:
                 wait_for_line(cluster, "STOPPING")
+                wait_for_line(cluster, "); going on with")  # worker 2 counted out
+                os.kill(cluster.pid("worker:2"), signal.SIGCONT)
+                deadline = time.monotonic() + 120  # a bound against a hang
+                while cluster.returncode("worker:2") is None:
+                    self.assertLess(time.monotonic(), deadline, cluster_log(cluster))
+                    time.sleep(0.1)
+                with open(hold, "w"):
+                    pass
                 for rank in (0, 1):
                     ps_program.wait_for_file(os.path.join(out, f"worker{rank}.json"), 150)
             finally:
@@ -428,6 +445,9 @@ class StallTest(tf.test.TestCase):
         self.assertRegex(log, r"/job:worker/task:2 at localhost:\d+ stopped answering \(no "
                               r"answer for \d+ s, stall_timeout=4 s; DeadlineExceeded")
         self.assertNotRegex(log, r"/job:worker/task:[01] at localhost:\d+ stopped answering")
+        self.assertRegex(task_lines(cluster, "worker:2"),
+                         r"tfdist: /job:ps/task:0: this worker's push was refused: the run "
+                         r"counts it out", cluster_log(cluster))
 
     def test_hard_sync_names_a_stopped_worker(self):
         out = self.get_temp_dir()
@@ -522,6 +542,15 @@ class CheckpointTest(tf.test.TestCase):
         self.assertEqual(sorted(reset["after"]), sorted(saved))
         for name, value in reset["after"].items():
             self.assertAllEqual(value, np.zeros_like(reset["before"][name]), msg=name)
+        # A `tf.train.Checkpoint` of the model and its optimizer, written by the chief after
+        # join(), holds the masters: plain Keras restores the weights, Adam's step and its
+        # slots as the chief reads them.
+        checkpoint = load_result(out, "tf_checkpoint.json")
+        self.assertLen(checkpoint["restored_optimizer"], len(checkpoint["optimizer"]))
+        for got, want in zip(checkpoint["restored_weights"] + checkpoint["restored_optimizer"],
+                             checkpoint["weights"] + checkpoint["optimizer"]):
+            self.assertAllEqual(np.array(got), np.array(want))
+        self.assertEqual(checkpoint["optimizer"][0], 4 * steps_per_epoch)  # iterations
         # The chief's ModelCheckpoint holds the final master weights (and its codec state,
         # which plain Keras does not ask for).
         model = ps_program.build_model("adam")

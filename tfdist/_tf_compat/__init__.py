@@ -54,6 +54,7 @@ from tfdist._tf_compat.keras_state import keras_variable_declared_shape
 from tfdist._tf_compat.keras_state import keras_variable_path
 from tfdist._tf_compat.keras_state import keras_variable_paths
 from tfdist._tf_compat.keras_state import keras_variable_storage
+from tfdist._tf_compat.runtime import VARIABLE_VALUE_KEY
 from tfdist._tf_compat.runtime import BaseResourceVariable
 from tfdist._tf_compat.runtime import KerasSaveable
 from tfdist._tf_compat.runtime import ResourceVariable

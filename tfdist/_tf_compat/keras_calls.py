@@ -149,10 +149,13 @@ def keras_whole_model_reads(context):
     `save_model_to_hdf5`, which Keras's modules look up when they call them. Keras has no
     hook around a read of the whole model, so those methods of its base classes and those
     functions of its private modules (`keras.src`: no public name reaches them) are wrapped,
-    once per `context`."""
+    once per `context`. So is TensorFlow's `tf.train.Checkpoint._write`, which its `save`,
+    `write` and `tf.train.CheckpointManager.save` call: a checkpoint's variables are read
+    (`_serialize_to_tensors`) eagerly inside it."""
     import functools
 
     import keras
+    import tensorflow as tf
     from keras.src.legacy.saving import legacy_h5_format
     from keras.src.saving import saving_lib
 
@@ -168,7 +171,8 @@ def keras_whole_model_reads(context):
     for owner, name in ((keras.Model, "save"), (keras.Model, "save_weights"),
                         (keras.layers.Layer, "get_weights"), (saving_lib, "save_model"),
                         (saving_lib, "save_weights_only"),
-                        (legacy_h5_format, "save_model_to_hdf5")):
+                        (legacy_h5_format, "save_model_to_hdf5"),
+                        (tf.train.Checkpoint, "_write")):
         method = owner.__dict__[name]
         if getattr(method, "_tfdist_reads_in", None) is context:
             continue

@@ -26,6 +26,7 @@ from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable  # 
 from tensorflow.python.ops.resource_variable_ops import ResourceVariable  # noqa: F401
 
 # (Codec state, as above: what `tf.train.Checkpoint` saves.)
+from tensorflow.python.trackable.base import VARIABLE_VALUE_KEY  # noqa: F401
 from tensorflow.python.trackable.base import Trackable  # noqa: F401
 
 # A table kept on the ps saves itself as slices of its parts (`tfdist.ps.tables`), as TF's

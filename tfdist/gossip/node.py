@@ -24,12 +24,12 @@ import tensorflow as tf
 from tfdist import _tf_compat
 from tfdist._process import die_with
 from tfdist._worker import compute_device
-from tfdist.cluster import is_listening
 from tfdist.cluster import pick_free_ports
 from tfdist.cluster import wait_for_tasks
 from tfdist.cluster.liveness import Liveness
 from tfdist.cluster.liveness import Target
 from tfdist.cluster.network import DEFAULT_STALL_TIMEOUT
+from tfdist.cluster.probe import ANSWERED
 from tfdist.cluster.probe import PROBE_TIMEOUT
 from tfdist.cluster.probe import ServerProbe
 from tfdist.gossip import protocol
@@ -214,7 +214,7 @@ class GossipNode:
         try:
             while not self._stop.wait(0.5):
                 if self.courier.poll() is not None:
-                    self._report(self._blame_for_courier())
+                    self._report(self._blame_for_courier(liveness.probe))
                     return
                 with self._lock:
                     peers = sorted(self.expected)
@@ -229,15 +229,18 @@ class GossipNode:
         finally:
             liveness.close()
 
-    def _blame_for_courier(self):
-        """Who to name when the courier exited: a peer it was to reach that does not listen
-        any more (the courier fails, or never connects, when a peer dies under it: the user
-        must be sent to that peer's machine), else the courier itself (`num_workers`)."""
+    def _blame_for_courier(self, probe):
+        """Who to name when the courier exited: a peer it was to reach whose server does not
+        answer an RPC (`probe`, a `ServerProbe`: gone, or stopped with its port open; the
+        courier fails, or never connects, when a peer dies or hangs under it: the user must
+        be sent to that peer's machine), else the courier itself (`num_workers`)."""
         with self._lock:
             peers = sorted(self.expected)
         for peer in peers:
-            # Probed twice: a peer's port that does not answer once may be a busy backlog.
-            if not any(is_listening(self.addresses[peer], timeout=0.5) for _ in range(2)):
+            # Asked twice: a peer that does not answer once may have been busy.
+            if not any(probe(self.addresses[peer], self.names[peer]) == ANSWERED
+                       for _ in range(2)):
+                self._why[peer] = probe.errors.get(self.addresses[peer])
                 return peer
         return self.num_workers
 

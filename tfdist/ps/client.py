@@ -341,6 +341,9 @@ class ShardClient:
                 except _RUN_ENDED:
                     raise RunError(f"{self.task}: run {self.run} has ended") from None
                 message = message.numpy().decode("utf-8", "replace")
+                if int(token) == protocol.FENCED:
+                    self.skipped_replies += 1  # an earlier process's fenced push
+                    continue
                 if int(token) < 0:
                     raise RunError(f"{self.task}: {message}")
                 if message == protocol.SYNC_MESSAGE:

@@ -42,6 +42,9 @@ class Membership:
 
     def __init__(self, num_workers, lock, progress=None, device=None):
         self.status = [EXPECTED] * num_workers
+        # Per rank: a hello admitted it since its last SYNC (a new process: its SYNC joins it
+        # even where a late DEAD entry for its earlier process came in between).
+        self.admitted = [False] * num_workers
         self.lock = lock
         self.progress = progress
         self.device = device
@@ -69,7 +72,15 @@ class Membership:
             return False
         if self.status[rank] in (LEFT, DIED):
             self.status[rank] = EXPECTED
+        self.admitted[rank] = True
         return True
+
+    def may_join(self, rank):
+        """Whether a SYNC of worker `rank` joins it: it is in the run, or a hello admitted
+        it since its last SYNC. Not so a worker the run counted out (declared dead) that
+        woke and syncs with no hello: an earlier process, fenced."""
+        with self.lock:
+            return self.in_run(rank) or self.admitted[rank]
 
     def end_if_nobody_is_left(self, policy):
         """Closes the run if `policy` needs no push from the live workers; True if closed."""
@@ -86,6 +97,8 @@ class Membership:
 
     def join(self, rank):
         """Worker `rank` trains (its SYNC came)."""
+        with self.lock:
+            self.admitted[rank] = False
         if self.status[rank] != LIVE:
             self._set(rank, LIVE)
 

@@ -46,6 +46,10 @@ SYNC_MESSAGE = "sync"
 # The message of the reply to a push the ps dropped as stale (its worker sent the current
 # weights at once): the worker keeps no codec state of that push (`tfdist.ps.push_codec`).
 DROPPED_MESSAGE = "dropped"
+# The token of the reply to a push of a worker the run counts out (declared dead, or left):
+# below 0, an error its step raises; a new process of that rank, syncing, skips it (it was
+# meant for the earlier process). A reply that ends a run carries -1.
+FENCED = -2
 
 # Layout of the progress vector (then one membership entry per worker rank).
 (STAT_STEP, STAT_UPDATES, STAT_DROPPED, STAT_AGGREGATED, STAT_STALENESS_SUM,

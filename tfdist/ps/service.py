@@ -220,6 +220,11 @@ class ShardRun:
             state, event, rank = graph.serve_updates(tf.constant(required),
                                                      members.live_mask(), state)
             event, rank = int(event), int(rank)
+            if event == -protocol.SYNC and not members.may_join(rank):
+                # A worker counted out that woke (its fenced push ended its training, and
+                # its exit syncs): told so, not taken back into the run.
+                self._reply(rank, -1, graph.fenced_message())
+                continue
             if event == -protocol.SYNC:
                 # A worker joins (or re-joins): it is sent the current weights. A push of an
                 # earlier process of its rank is still used, but not answered: the new

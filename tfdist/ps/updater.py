@@ -176,9 +176,10 @@ class ShardUpdateGraph(CollectMixin, ApplyMixin):
     def _step(self):
         return self.progress[protocol.STAT_STEP]
 
-    def _send(self, rank, step, values, message=""):
+    def _send(self, rank, step, values, message="", weights=True):
         """Enqueues a reply to worker `rank` with `values` at global step `step`; with
-        delay compensation, records them as the weights that worker reads.
+        delay compensation, records them as the weights that worker reads (unless not
+        `weights`: an error's reply, which carries none).
 
         `rank` is a Python int where the caller knows it (one enqueue), else a tensor (one
         branch per worker)."""
@@ -188,7 +189,7 @@ class ShardUpdateGraph(CollectMixin, ApplyMixin):
             ops = [tf.raw_ops.QueueEnqueueV2(
                 handle=self.reply_queues[r],
                 components=[step, tf.constant(message), stats, values])]
-            if self.weights_read is not None:
+            if self.weights_read is not None and weights:
                 ops.append(self.weights_read.scatter_nd_update(
                     [[r]], values[None, :self.layout.main_size]))
             with tf.control_dependencies(ops):
@@ -278,7 +279,7 @@ class ShardUpdateGraph(CollectMixin, ApplyMixin):
             return tf.equal(event, 0)
 
         def body(state, event, rank):
-            state, event, rank = self._collect(required, state)
+            state, event, rank = self._collect(required, live, state)
             complete = tf.logical_and(tf.equal(event, 0), state["accepted"] >= required)
 
             def apply():

@@ -82,8 +82,18 @@ class CollectMixin:
             out.append((rows, tf.reshape(tf.cast(tf.gather(master, rows), tf.float32), [-1])))
         return out
 
-    def _collect(self, required, state):
-        """Takes pushes until `required` usable ones, or a control entry."""
+    def fenced_message(self):
+        """What a worker the run counts out is told when it pushes or syncs."""
+        return (f"tfdist: {self.task}: this worker's push was refused: the run counts it out "
+                "(it was declared dead after it stopped answering for the job's "
+                "stall_timeout, or it had left the run) and goes on without it. If it was "
+                "declared dead, restart it: a new process rejoins the run")
+
+    def _collect(self, required, live, state):
+        """Takes pushes until `required` usable ones, or a control entry. A push of a rank
+        not in `live` (a worker declared dead that woke up: a process resumed after its
+        stall_timeout) is fenced: dropped, counted so, and its worker told with an error
+        that ends its training."""
         step = self._step()
         main_dtypes = self.push_dtypes[2:-1]
 
@@ -96,8 +106,16 @@ class CollectMixin:
             payload, values = rest[:len(main_dtypes)], rest[-1]
             tag, entry_rank = tf.reshape(tag, []), tf.reshape(entry_rank, [])
             control = tag < 0
-            usable = tf.logical_and(tf.logical_not(control), self.policy.accepts(tag, step))
-            stale = tf.logical_and(tf.logical_not(control), tf.logical_not(usable))
+            ranked = tf.logical_and(entry_rank >= 0, entry_rank < self.num_workers)
+            member = tf.logical_and(ranked, tf.gather(
+                live, tf.clip_by_value(entry_rank, 0, self.num_workers - 1)))
+            # (A rank out of range, a forged push: dropped, nobody to tell.)
+            fenced = tf.logical_and(tf.logical_and(tf.logical_not(control), ranked),
+                                    tf.logical_not(member))
+            pushed = tf.logical_and(tf.logical_not(control), member)
+            unranked = tf.logical_and(tf.logical_not(control), tf.logical_not(ranked))
+            usable = tf.logical_and(pushed, self.policy.accepts(tag, step))
+            stale = tf.logical_and(pushed, tf.logical_not(usable))
             staleness = tf.maximum(step - tag, 0)
             taken = tf.cast(usable, tf.int64)
             new = dict(state)
@@ -121,7 +139,8 @@ class CollectMixin:
                                        *[state[key] for key in grown]))
             new.update(zip(grown, grown_values))
             new["accepted"] = state["accepted"] + tf.cast(usable, tf.int32)
-            new["dropped"] = state["dropped"] + tf.cast(stale, tf.int64)
+            new["dropped"] = state["dropped"] + tf.cast(
+                tf.logical_or(tf.logical_or(stale, fenced), unranked), tf.int64)
             new["staleness_sum"] = state["staleness_sum"] + taken * staleness
             new["staleness_max"] = tf.maximum(state["staleness_max"], taken * staleness)
             new["histogram"] = state["histogram"] + taken * tf.one_hot(
@@ -136,7 +155,12 @@ class CollectMixin:
             sent = tf.cond(stale, lambda: self._send(entry_rank, step, self._reply_values(
                 self._rows_since(tag, self._pushed_rows(payload)) if self.layout.rows
                 else None), message=protocol.DROPPED_MESSAGE), lambda: tf.constant(True))
-            with tf.control_dependencies([sent]):
+            # A fenced worker is told at once, with an error (its step raises; a new
+            # process of its rank that syncs meanwhile skips it: `protocol.FENCED`).
+            told = tf.cond(fenced, lambda: self._send(
+                entry_rank, tf.constant(protocol.FENCED, tf.int64), tf.zeros([0]),
+                message=self.fenced_message(), weights=False), lambda: tf.constant(True))
+            with tf.control_dependencies([sent, told]):
                 new["total"] = tf.identity(new["total"])
             return new, tf.where(control, tf.cast(-tag, tf.int32), 0), entry_rank
 

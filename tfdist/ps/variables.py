@@ -227,6 +227,16 @@ class MirrorVariable(_tf_compat.ResourceVariable):
         self.assign_read(value)
         return self
 
+    def _serialize_to_tensors(self):
+        # `tf.train.Checkpoint` asks for the value eagerly and may read it later in a
+        # function of its own (a save that spans tasks: a table's parts are written by the
+        # ps tasks), where this variable stands for its local copy: the master's value is
+        # taken now (inside `consistent_reads()`, which the checkpoint's write enters: from
+        # the shard's snapshot).
+        if _stands_for_master(self):
+            return {_tf_compat.VARIABLE_VALUE_KEY: self.read_value()}
+        return super()._serialize_to_tensors()
+
     def _read_variable_op(self, no_copy=False):
         if _stands_for_master(self):
             with tf.device(self.device):
