@@ -69,6 +69,20 @@ class LivenessTest(tf.test.TestCase):
         self.assertEqual(list(found), [0])
         self.assertEqual(found[0][0], 2.0)  # the third miss in a row
 
+    def test_time_the_watcher_itself_did_not_run_counts_for_no_target(self):
+        # The watcher's own process was stopped for 30 s (a woken worker's watch of its ps
+        # tasks): a target that does not answer its first probe after that is not dead for
+        # the 30 s (it blamed the ps before: issue 22), only after stall_timeout more.
+        targets = {0: Target("host:0", "/job:ps/task:0")}
+        liveness = self.liveness(stall_timeout=5.0)
+        self.assertEqual(self.rounds(liveness, targets, 1.0), {})
+        self.now += 30.0
+        self.probe.answers = {"host:0": STALLED}
+        found = self.rounds(liveness, targets, 45.0)
+        self.assertEqual(list(found), [0])
+        self.assertGreater(found[0][0], 31.0 + 5.0)
+        self.assertRegex(found[0][1].why, r"^no answer for [56] s, stall_timeout=5 s")
+
     def test_never_came_is_judged_by_came_by_and_forget_keeps_seen(self):
         liveness = self.liveness(stall_timeout=5.0, misses_to_dead=2)
         self.probe.answers = {"host:0": GONE}

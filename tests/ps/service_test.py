@@ -458,18 +458,32 @@ class RunOwnershipTest(tf.test.TestCase):
                                                  r"going on with 1 worker")
         self.assertEqual(run.members.status[1], protocol.DIED)
         run.send_control(protocol.SYNC, 1)
+        deadline = time.monotonic() + 60  # a bound against a hang
         with tf.device(run.device):
+            while not int(tf.raw_ops.QueueSizeV2(handle=run.reply_queues[1])):
+                self.assertLess(time.monotonic(), deadline, "the SYNC was not answered")
+                time.sleep(0.01)
             token, message, _, _ = tf.raw_ops.QueueDequeueV2(
                 handle=run.reply_queues[1], component_types=wire.REPLY_DTYPES)
         self.assertEqual(int(token), -1)
-        self.assertRegex(message.numpy().decode(), r"this worker's push was refused: the run "
-                                                   r"counts it out")
+        self.assertRegex(message.numpy().decode(), r"the run counts this worker out")
         self.assertEqual(run.members.status[1], protocol.DIED)
         service.handle_control(hello(rank=1, job="job-1"))
         self.assertIsNone(self.answer(service, 1)["error"])
         run.send_control(protocol.SYNC, 1)
         self.serves(run, ranks=(1,))
         self.assertEqual(run.members.status[1], protocol.LIVE)
+        # A control entry of a rank the run does not have (anyone reaching the port can
+        # enqueue one) is logged and ignored: it ended the run before.
+        with self.assertLogs("tfdist", "ERROR") as logs:
+            run.send_control(protocol.SYNC, 7)
+            deadline = time.monotonic() + 60  # a bound against a hang
+            while not logs.output:
+                self.assertLess(time.monotonic(), deadline)
+                time.sleep(0.01)
+        self.assertRegex(logs.output[0], r"ignored a control entry \(tag -4\) of rank 7: run "
+                                         r"\S+ has ranks 0 to 1")
+        self.assertFalse(run.finished.is_set())
 
     def test_workers_starting_a_job_at_once_may_start_its_run_on_different_ps_tasks(self):
         # Worker 1's hello starts the run on ps:0; then the chief says hello to both (it

@@ -320,9 +320,9 @@ class FenceTest(tf.test.TestCase):
                 self.assertAllClose(shard.value("d/w"), want, rtol=1e-6)
                 (token, message, values), = shard.replies(1)
                 self.assertEqual(token, protocol.FENCED)
-                self.assertRegex(message, r"^tfdist: /job:ps/task:0: this worker's push was "
-                                          r"refused: the run counts it out \(it was declared "
-                                          r"dead .*restart it: a new process rejoins")
+                self.assertRegex(message, r"^tfdist: /job:ps/task:0: the run counts this "
+                                          r"worker out \(it was declared dead .*its pushes are "
+                                          r"refused. If it was declared dead, restart it")
                 self.assertEqual(values.size, 0)
                 (token, message, values), = shard.replies(0)
                 self.assertEqual((token, message), (1, ""))
@@ -330,6 +330,21 @@ class FenceTest(tf.test.TestCase):
                 progress = shard.progress_dict()
                 self.assertEqual((progress["aggregated_gradients"],
                                   progress["dropped_gradients"]), (1, 1))
+        # Under stale synchronous parallel, a worker held back (its push applied, its reply
+        # deferred) when it is counted out is told the fence's error when it wakes: it would
+        # wait on its reply until the run closed (issue 22 review).
+        shard = Shard([entry("d/w", [1])], AsyncPolicy(max_staleness=1, on_stale="wait"),
+                      {"d/w": np.zeros([1], np.float32)}, optimizer=sgd(1.0))
+        shard.push(0, 0, [1.0])   # clocks (1, 0): released
+        shard.push(1, 0, [1.0])   # clocks (2, 0): held back
+        shard.serve()
+        self.assertEqual([t for t, _, _ in shard.replies(0)], [1])
+        shard.graph.forget(tf.constant(0))  # worker 0 declared dead
+        (token, message, _), = shard.replies(0)
+        self.assertEqual(token, protocol.FENCED)
+        self.assertRegex(message, r"the run counts this worker out")
+        shard.graph.forget(tf.constant(1))  # (not held: told nothing)
+        self.assertEqual(shard.replies(1), [])
         # A rank out of range (a forged push) is dropped, with nobody to tell.
         shard = Shard([entry("d/w", [2])], AsyncPolicy(), {"d/w": w0}, optimizer=sgd(0.1))
         shard.push(0, 7, g[1])

@@ -140,7 +140,7 @@ def tf_checkpoint_round_trip(model):
     written by the chief."""
     path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
         os.path.join(FLAGS.out_dir, "tf_checkpoint"))
-    plain = build_model(FLAGS.optimizer)
+    plain = build_model(FLAGS.optimizer, model=FLAGS.model)
     plain.optimizer.build(plain.trainable_variables)
     # (the strategy's state beside the optimizer, a compressor's residuals: not in plain)
     tf.train.Checkpoint(model=plain, optimizer=plain.optimizer).read(path).expect_partial()

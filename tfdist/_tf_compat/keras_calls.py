@@ -139,7 +139,7 @@ def keras_own_train_step(fn):
     return model
 
 
-def keras_whole_model_reads(context):
+def keras_whole_model_reads(context, checkpoint_context=None):
     """Runs Keras's whole-model reads inside `context()` (a context manager factory):
     `Model.save`, `Model.save_weights` and `Layer.get_weights`, which `ModelCheckpoint`,
     `BackupAndRestore` and `EarlyStopping` call, and the functions every route to a saved
@@ -150,8 +150,8 @@ def keras_whole_model_reads(context):
     hook around a read of the whole model, so those methods of its base classes and those
     functions of its private modules (`keras.src`: no public name reaches them) are wrapped,
     once per `context`. So is TensorFlow's `tf.train.Checkpoint._write`, which its `save`,
-    `write` and `tf.train.CheckpointManager.save` call: a checkpoint's variables are read
-    (`_serialize_to_tensors`) eagerly inside it."""
+    `write` and `tf.train.CheckpointManager.save` call (a checkpoint's variables are read,
+    `_serialize_to_tensors`, eagerly inside it), in `checkpoint_context` (None: `context`)."""
     import functools
 
     import keras
@@ -159,7 +159,7 @@ def keras_whole_model_reads(context):
     from keras.src.legacy.saving import legacy_h5_format
     from keras.src.saving import saving_lib
 
-    def wrap(original):
+    def wrap(original, context):
         @functools.wraps(original)
         def read_whole(*args, **kwargs):
             with context():
@@ -168,12 +168,13 @@ def keras_whole_model_reads(context):
         read_whole._tfdist_reads_in = context
         return read_whole
 
-    for owner, name in ((keras.Model, "save"), (keras.Model, "save_weights"),
-                        (keras.layers.Layer, "get_weights"), (saving_lib, "save_model"),
-                        (saving_lib, "save_weights_only"),
-                        (legacy_h5_format, "save_model_to_hdf5"),
-                        (tf.train.Checkpoint, "_write")):
+    for owner, name, within in (
+            (keras.Model, "save", context), (keras.Model, "save_weights", context),
+            (keras.layers.Layer, "get_weights", context), (saving_lib, "save_model", context),
+            (saving_lib, "save_weights_only", context),
+            (legacy_h5_format, "save_model_to_hdf5", context),
+            (tf.train.Checkpoint, "_write", checkpoint_context or context)):
         method = owner.__dict__[name]
-        if getattr(method, "_tfdist_reads_in", None) is context:
+        if getattr(method, "_tfdist_reads_in", None) is within:
             continue
-        setattr(owner, name, wrap(getattr(method, "_tfdist_original", method)))
+        setattr(owner, name, wrap(getattr(method, "_tfdist_original", method), within))

@@ -36,7 +36,9 @@ class Liveness:
     `gone_timeout` seconds (a killed process), or when it has not answered for more than
     `stall_timeout` seconds while its port accepts connections (a stopped process, a hung
     machine); one that never answered is dead once its `came_by` has passed. A slow server is
-    never cut off: its RPC threads answer while its training thread computes or waits.
+    never cut off: its RPC threads answer while its training thread computes or waits. Time
+    in which this watcher itself did not run (more than `stall_timeout` between two rounds:
+    its process was stopped, a hung machine that recovered) counts for no target.
 
     Example:
 
@@ -78,6 +80,12 @@ class Liveness:
 
     def _check(self, targets, stall_timeout):
         stall_timeout = self.stall_timeout if stall_timeout is None else stall_timeout
+        started = self._clock()
+        if self.last_round is not None and started - self.last_round > stall_timeout:
+            # This watcher did not run meanwhile (its process stopped, or starved): the
+            # others' silence since its last round is not theirs to answer for.
+            gap = started - self.last_round
+            self.heard = {key: heard + gap for key, heard in self.heard.items()}
         keys = list(targets)
         answers = self._probes([(targets[k].address, targets[k].task) for k in keys])
         self.last_round = now = self._clock()

@@ -344,8 +344,9 @@ class ShardClient:
                 if int(token) == protocol.FENCED:
                     self.skipped_replies += 1  # an earlier process's fenced push
                     continue
-                if int(token) < 0:
-                    raise RunError(f"{self.task}: {message}")
+                if int(token) < 0:  # (a message of tfdist's names its task itself)
+                    raise RunError(message if message.startswith("tfdist: ")
+                                   else f"{self.task}: {message}")
                 if message == protocol.SYNC_MESSAGE:
                     return Reply(token, stats, values)
                 self.skipped_replies += 1

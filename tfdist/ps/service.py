@@ -220,6 +220,12 @@ class ShardRun:
             state, event, rank = graph.serve_updates(tf.constant(required),
                                                      members.live_mask(), state)
             event, rank = int(event), int(rank)
+            if not 0 <= rank < self.num_workers:
+                # (Any process that reaches the port can enqueue one: it must not end the run.)
+                log.error("tfdist: %s: ignored a control entry (tag %d) of rank %d: run %s has "
+                          "ranks 0 to %d", self.service.task, -event, rank, self.run,
+                          self.num_workers - 1)
+                continue
             if event == -protocol.SYNC and not members.may_join(rank):
                 # A worker counted out that woke (its fenced push ended its training, and
                 # its exit syncs): told so, not taken back into the run.
@@ -439,6 +445,7 @@ class PSService:
         if run is None:
             run = ShardRun(self, f"{int(time.time())}-{next(_run_numbers)}", spec)
             self.current = run
+            run.admit(rank)
             run.start()
             log.info("tfdist: %s: run %s of job %r started by %s", self.task, run.run,
                      run.job, spec.worker_tasks[rank])

@@ -51,6 +51,13 @@ def consistent_reads(tables=True):
         _state.taken = None  # the values go, the copies of table parts on the ps with them
 
 
+def checkpoint_reads():
+    """`consistent_reads()` for a `tf.train.Checkpoint` save: its snapshots leave the table
+    parts out (a table's saveables are written by its ps tasks from the parts themselves: a
+    copy of each would double the tables on their ps tasks, unused)."""
+    return consistent_reads(tables=False)
+
+
 def active():
     """Whether this thread is inside `consistent_reads()`, executing eagerly (a function
     traced meanwhile reads its variables as they are: a snapshot's tensors are eager)."""
@@ -93,7 +100,7 @@ class ShardSnapshot:
         self._take_masters = tf.function(lambda: self._take_fn(tables=False))
         for master in self.masters:
             master.snapshot = self
-        _tf_compat.keras_whole_model_reads(consistent_reads)
+        _tf_compat.keras_whole_model_reads(consistent_reads, checkpoint_reads)
 
     def add_tables(self, parts):
         """Adds the masters of the shard's parts of tables kept on the ps tasks (before the

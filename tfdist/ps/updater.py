@@ -323,5 +323,13 @@ class ShardUpdateGraph(CollectMixin, ApplyMixin):
             self._forget_fn(rank)
 
     def _forget_fn(self, rank):
+        """Worker `rank` left, died or rejoins: a push of it held back (stale synchronous
+        parallel) is released with the fence's error (a stopped worker that wakes is told;
+        a new process of the rank skips it: `protocol.FENCED`)."""
         with tf.device(self.device):
-            self.waiting.scatter_nd_update([[rank]], [False])
+            held = tf.gather(self.waiting, rank)
+            told = tf.cond(held, lambda: self._send(
+                rank, tf.constant(protocol.FENCED, tf.int64), tf.zeros([0]),
+                message=self.fenced_message(), weights=False), lambda: tf.constant(True))
+            with tf.control_dependencies([told]):
+                self.waiting.scatter_nd_update([[rank]], [False])

@@ -84,10 +84,10 @@ class CollectMixin:
 
     def fenced_message(self):
         """What a worker the run counts out is told when it pushes or syncs."""
-        return (f"tfdist: {self.task}: this worker's push was refused: the run counts it out "
-                "(it was declared dead after it stopped answering for the job's "
-                "stall_timeout, or it had left the run) and goes on without it. If it was "
-                "declared dead, restart it: a new process rejoins the run")
+        return (f"tfdist: {self.task}: the run counts this worker out (it was declared dead "
+                "after it stopped answering for the job's stall_timeout, or it had left the "
+                "run) and goes on without it: its pushes are refused. If it was declared dead, "
+                "restart it: a new process says hello and rejoins the run")
 
     def _collect(self, required, live, state):
         """Takes pushes until `required` usable ones, or a control entry. A push of a rank
