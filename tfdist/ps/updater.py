@@ -199,6 +199,13 @@ class ShardUpdateGraph(CollectMixin, ApplyMixin):
             return put(rank)
         return tf.switch_case(rank, [lambda r=r: put(r) for r in range(self.num_workers)])
 
+    def _fence_if(self, fenced, rank):
+        """If `fenced`: tells worker `rank` the run counts it out (an error its step raises;
+        a new process of its rank that syncs skips it: `protocol.FENCED`)."""
+        return tf.cond(fenced, lambda: self._send(
+            rank, tf.constant(protocol.FENCED, tf.int64), tf.zeros([0]),
+            message=self.fenced_message(), weights=False), lambda: tf.constant(True))
+
     # Record and release ----------------------------------------------------------------------
 
     def _record_fn(self, step, state, clock_gap=None, updated=True):
@@ -327,9 +334,6 @@ class ShardUpdateGraph(CollectMixin, ApplyMixin):
         parallel) is released with the fence's error (a stopped worker that wakes is told;
         a new process of the rank skips it: `protocol.FENCED`)."""
         with tf.device(self.device):
-            held = tf.gather(self.waiting, rank)
-            told = tf.cond(held, lambda: self._send(
-                rank, tf.constant(protocol.FENCED, tf.int64), tf.zeros([0]),
-                message=self.fenced_message(), weights=False), lambda: tf.constant(True))
+            told = self._fence_if(tf.gather(self.waiting, rank), rank)
             with tf.control_dependencies([told]):
                 self.waiting.scatter_nd_update([[rank]], [False])

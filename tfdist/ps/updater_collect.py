@@ -155,11 +155,7 @@ class CollectMixin:
             sent = tf.cond(stale, lambda: self._send(entry_rank, step, self._reply_values(
                 self._rows_since(tag, self._pushed_rows(payload)) if self.layout.rows
                 else None), message=protocol.DROPPED_MESSAGE), lambda: tf.constant(True))
-            # A fenced worker is told at once, with an error (its step raises; a new
-            # process of its rank that syncs meanwhile skips it: `protocol.FENCED`).
-            told = tf.cond(fenced, lambda: self._send(
-                entry_rank, tf.constant(protocol.FENCED, tf.int64), tf.zeros([0]),
-                message=self.fenced_message(), weights=False), lambda: tf.constant(True))
+            told = self._fence_if(fenced, entry_rank)  # (at once)
             with tf.control_dependencies([sent, told]):
                 new["total"] = tf.identity(new["total"])
             return new, tf.where(control, tf.cast(-tag, tf.int32), 0), entry_rank
