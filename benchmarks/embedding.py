@@ -424,8 +424,10 @@ def resumed(results, runs):
         print(f"resuming: the last run made ({last[1]}) failed and is made again: "
               f"{runs[last[1]][-1]['error']}", flush=True)
         runs[last[1]].pop()
-    sittings = then.get("sittings", [{"load_before": then.get("load_before")}])
-    stamp_now = dict(then, sittings=[*sittings, {"load_before": now["load_before"]}])
+    sittings = then.get("sittings", [{"load_before": then.get("load_before"),
+                                      "machine": then.get("machine")}])
+    stamp_now = dict(then, sittings=[*sittings, {"load_before": now["load_before"],
+                                                 "machine": now.get("machine")}])
     made = sum(len(r) for r in runs.values())
     print(f"resuming {path}: {made} runs kept, sitting {len(stamp_now['sittings'])}",
           flush=True)

@@ -94,7 +94,7 @@ def resume_problems(then, now, settings_then=None, settings_now=None):
         problems.append("a run is only carried on from a clean tree (tfdist/ and benchmarks/ "
                         "as committed)")
     machine_then, machine_now = then.get("machine"), now.get("machine")
-    if machine_then != machine_now:
+    if machine_kind(machine_then) != machine_kind(machine_now):
         problems.append(f"it was measured on another machine ({_machine_text(machine_then)}; "
                         f"this one: {_machine_text(machine_now)})")
     old = {k: v for k, v in (settings_then or {}).items() if k != "complete"}
@@ -104,6 +104,19 @@ def resume_problems(then, now, settings_then=None, settings_now=None):
         shown = ", ".join(f"{k} ({old.get(k)!r} then, {new.get(k)!r} now)" for k in differing)
         problems.append(f"its settings differ: {shown}")
     return problems
+
+
+# What makes two machines the same for a run carried over several sittings: a machine lent
+# for a few hours at a time is seldom the same host twice, but one of the same kind (cores,
+# CPU model, memory in GiB) gives the same rates; its kernel build and the last kilobytes of
+# its memory, which differ between hosts of one kind, do not count (each sitting records
+# its own machine in full).
+MACHINE_KIND = ("cpus", "cpu_model", "memory_gib")
+
+
+def machine_kind(machine):
+    """The part of a `machine_note` two sittings of one run must share (`MACHINE_KIND`)."""
+    return {key: (machine or {}).get(key) for key in MACHINE_KIND}
 
 
 def _machine_text(machine):

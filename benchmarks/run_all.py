@@ -191,7 +191,7 @@ class Manifest:
         self._write()
 
     def sitting(self):
-        self.record["sittings"].append({"started": _now(),
+        self.record["sittings"].append({"started": _now(), "machine": machine_note(),
                                         "load_before": load_note()["load_average_1_5_15"]})
         self._write()
 

@@ -450,6 +450,33 @@ class ResumeTest(tf.test.TestCase):
         unknown = {"commit": "unknown", "dirty": None}
         self.assertEqual(len(machine.resume_problems(unknown, unknown)), 2)
 
+    def test_a_run_is_carried_on_by_another_machine_of_the_same_kind(self):
+        # Two hosts of one kind differ in their kernel build and a few kB of memory.
+        host = {"cpus": 2, "cpu_model": "AMD EPYC", "memory_gib": 23.5,
+                "memory_bytes": 25276510208, "system": "Linux-6.18.44-fc-v657-x86_64"}
+        other_host = dict(host, memory_bytes=25276518400, system="Linux-6.18.44-fc-v509-x86_64")
+        code = {"commit": "a" * 40, "dirty": False}
+        self.assertEqual(machine.resume_problems(dict(code, machine=host),
+                                                 dict(code, machine=other_host)), [])
+        for key, value in (("cpus", 4), ("cpu_model", "Intel Xeon"), ("memory_gib", 7.8)):
+            problems = machine.resume_problems(dict(code, machine=host),
+                                               dict(code, machine=dict(host, **{key: value})))
+            self.assertEqual(len(problems), 1, key)
+            self.assertIn("another machine", problems[0])
+        # The report says the sittings ran on several machines of one kind.
+        out = self.get_temp_dir()
+        run = {"commit": "a" * 40, "dirty": False, "size": "full", "peer": True, "run": "r1",
+               "machine": host, "benchmarks": {"faults": {"finished": True}},
+               "sittings": [{"started": "2026-01-01T00:00:00Z", "machine": host,
+                             "load_before": [0, 0, 0]},
+                            {"started": "2026-01-02T00:00:00Z", "machine": other_host,
+                             "load_before": [0, 0, 0]}]}
+        with open(os.path.join(out, "run_all.json"), "w") as f:
+            json.dump(run, f)
+        text = report.run_text(out, {"run_all.json"})[0]
+        self.assertIn("in 2 sittings", text)
+        self.assertIn("on 2 machines of one kind (2 cores, AMD EPYC, 23.5 GiB", text)
+
     def _run_all(self, out, *args):
         import subprocess
 
