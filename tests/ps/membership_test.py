@@ -288,6 +288,29 @@ class PSWatchdogTest(tf.test.TestCase):
         self.assertEqual(stalled[2], "no answer for 5 s, stall_timeout=4 s; "
                                      "DeadlineExceededError: Deadline Exceeded")
 
+    def test_stop_waits_for_the_round_of_probes_in_flight(self):
+        # A worker stops its watchdog at exit: a probe still waiting on its RPC as the
+        # interpreter finalizes would abort the process (SIGABRT, "FATAL: exception not
+        # rethrown"), its job failing after its work was done. stop() returns once the
+        # round in flight has ended, and the thread with it.
+        entered, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+        class InFlightProbe(ScriptedProbe):
+            def __call__(self, address, task):
+                entered.set()
+                release.wait(HANG_BOUND)
+                finished.set()
+                return ANSWERED
+
+        connection = types.SimpleNamespace(ps_addresses=["ps0:1"], ps_names=["/job:ps/task:0"])
+        watchdog = PSWatchdog(connection, 4.0, lambda stalled: None, interval=0.01,
+                              probe=InFlightProbe(), fuse=False).start()
+        self.assertTrue(entered.wait(HANG_BOUND))
+        threading.Timer(0.2, release.set).start()
+        watchdog.stop()
+        self.assertTrue(finished.is_set())
+        self.assertFalse(watchdog._thread.is_alive())
+
     def test_the_fuses_last_word_names_the_silent_ps_tasks(self):
         # What the fuse writes if the watchdog's thread cannot run any more (another thread
         # holds Python's lock, waiting on a stopped ps): the tasks silent in the last round,

@@ -196,3 +196,31 @@ class ProbePool:
             self._pool.shutdown(wait=True)
             self._pool = None
         self.probe.close()
+
+
+# What `is_listening` may add to each probe before its RPC (its own deadline).
+_LISTEN_CHECK_SECONDS = 0.5
+
+
+def probing_seconds(probe_timeout, targets):
+    """The longest one round of probes of `targets` servers can take: each probe's deadline
+    (`probe_timeout`) and its port check, one after the other (what a round falls back to
+    at exit)."""
+    return max(1, targets) * (probe_timeout + _LISTEN_CHECK_SECONDS)
+
+
+def join_prober(thread, timeout):
+    """Waits up to `timeout` s for `thread` (a daemon thread that probes servers, already told
+    to stop) to end; not when called from that thread itself.
+
+    A probe waits on an RPC with Python's lock released. If the interpreter finalizes
+    meanwhile (the main thread returned: a worker's normal exit), the thread that takes the
+    lock back is ended by CPython with a forced unwind, which TensorFlow's C++ frames do not
+    let through: the process aborts (SIGABRT, "FATAL: exception not rethrown") after its
+    work is done, and its job fails. Whoever stops such a thread at exit waits for its
+    round of probes to end first.
+    """
+    if thread is None or thread is threading.current_thread():
+        return True
+    thread.join(timeout)
+    return not thread.is_alive()

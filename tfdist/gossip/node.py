@@ -32,6 +32,8 @@ from tfdist.cluster.network import DEFAULT_STALL_TIMEOUT
 from tfdist.cluster.probe import ANSWERED
 from tfdist.cluster.probe import PROBE_TIMEOUT
 from tfdist.cluster.probe import ServerProbe
+from tfdist.cluster.probe import join_prober
+from tfdist.cluster.probe import probing_seconds
 from tfdist.gossip import protocol
 
 log = logging.getLogger("tfdist")
@@ -257,8 +259,13 @@ class GossipNode:
     # Ending ------------------------------------------------------------------------------
 
     def stop(self, timeout=60.0):
-        """Stops the watcher, then lets the courier deliver what is in the outbox and exit."""
+        """Stops the watcher (waiting for its round of probes in flight: `join_prober`), then
+        lets the courier deliver what is in the outbox and exit."""
         self._stop.set()
+        # A round probes each peer (twice when the courier exited), one after the other at
+        # worst, after its half-second wait.
+        join_prober(self._watcher, 0.5 + 2 * probing_seconds(
+            min(PROBE_TIMEOUT, self.stall_timeout), self.num_workers))
         if self.courier.poll() is None:
             try:
                 with tf.init_scope():

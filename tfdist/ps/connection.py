@@ -17,6 +17,8 @@ from tfdist.cluster.probe import ANSWERED
 from tfdist.cluster.probe import RESTARTED
 from tfdist.cluster.probe import ProbePool
 from tfdist.cluster.probe import ServerProbe
+from tfdist.cluster.probe import join_prober
+from tfdist.cluster.probe import probing_seconds
 
 log = logging.getLogger("tfdist")
 
@@ -202,9 +204,13 @@ class PSWatchdog:
         return self
 
     def stop(self):
+        """Stops the watchdog, and waits for its round of probes in flight (at exit, a probe
+        still waiting on its RPC would abort the process: `join_prober`)."""
         self._stopped.set()
         if self._fuse is not None:
             self._fuse.disarm()
+        join_prober(self._thread, self.interval + probing_seconds(
+            self.liveness.probe.timeout, len(self.targets)))
 
     def poll(self):
         """Probes every ps task once; returns `[(name, address, why)]` of those that have not
