@@ -7,6 +7,7 @@ Stochastic Gradient Push's workers their peers.
 """
 
 import concurrent.futures
+import logging
 import threading
 
 import tensorflow as tf
@@ -14,6 +15,8 @@ import tensorflow as tf
 from tfdist import _tf_compat
 from tfdist._args import check_seconds
 from tfdist.cluster.network import is_listening
+
+log = logging.getLogger("tfdist")
 
 # Answers of `ServerProbe`.
 ANSWERED = "answered"  # the server answered an RPC within the deadline
@@ -203,10 +206,11 @@ _LISTEN_CHECK_SECONDS = 0.5
 
 
 def probing_seconds(probe_timeout, targets):
-    """The longest one round of probes of `targets` servers can take: each probe's deadline
-    (`probe_timeout`) and its port check, one after the other (what a round falls back to
-    at exit)."""
-    return max(1, targets) * (probe_timeout + _LISTEN_CHECK_SECONDS)
+    """The longest a probing thread of `targets` servers can take to end once told to stop:
+    a round of probes one after the other (what a round falls back to at exit), each its
+    port check and its deadline (`probe_timeout`), then closing its session on each server
+    (one RPC each, within the deadline)."""
+    return max(1, targets) * (2 * probe_timeout + _LISTEN_CHECK_SECONDS)
 
 
 def join_prober(thread, timeout):
@@ -223,4 +227,8 @@ def join_prober(thread, timeout):
     if thread is None or thread is threading.current_thread():
         return True
     thread.join(timeout)
-    return not thread.is_alive()
+    if thread.is_alive():
+        log.warning("tfdist: %s still waits on a server after %g s: if the process exits "
+                    "now, it may abort as it ends", thread.name, timeout)
+        return False
+    return True

@@ -380,9 +380,9 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
         if self._left:
             return
         self._left = True
-        self._active.assign(False)
         node = self._node
         try:
+            self._active.assign(False)
             if node.size is not None:
                 with tf.init_scope():
                     self._finish()
