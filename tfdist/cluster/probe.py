@@ -28,6 +28,8 @@ RESTARTED = "restarted"
 
 # Seconds a server gets to answer one probe.
 PROBE_TIMEOUT = 2.0
+# What `is_listening` may add to each probe before its RPC (its own deadline).
+_LISTEN_CHECK_SECONDS = 0.5
 
 
 class ServerProbe:
@@ -92,7 +94,7 @@ class ServerProbe:
             return self._probe(address, task)
 
     def _probe(self, address, task):
-        if not is_listening(address, timeout=min(0.5, self.timeout)):
+        if not is_listening(address, timeout=min(_LISTEN_CHECK_SECONDS, self.timeout)):
             if address in self._sessions:
                 # The server it knew went away: whoever answers there next is a new process
                 # (a replaced task is down for seconds, while it imports TensorFlow).
@@ -199,10 +201,6 @@ class ProbePool:
             self._pool.shutdown(wait=True)
             self._pool = None
         self.probe.close()
-
-
-# What `is_listening` may add to each probe before its RPC (its own deadline).
-_LISTEN_CHECK_SECONDS = 0.5
 
 
 def probing_seconds(probe_timeout, targets):
