@@ -58,6 +58,9 @@ flags.DEFINE_float("pause", 0.0, "The slow worker's pause after its first epoch,
 flags.DEFINE_integer("stop_rank", -1, "A worker that stops itself with SIGSTOP after its "
                      "first epoch, printing STOPPING (a hung process: its port stays open).")
 flags.DEFINE_integer("steps_per_execution", 1, "Keras `steps_per_execution`.")
+flags.DEFINE_integer("wait_for_dead", -1, "long: the other workers, at their second epoch's "
+                     "end, wait until the run counts this worker dead (a test kills it): the "
+                     "run ends after the death is seen, however fast its epochs.")
 flags.DEFINE_bool("frozen", False, "async: a staleness function that zeroes every update.")
 flags.DEFINE_bool("chief_early_stopping", False, "The chief trains with "
                   "`EarlyStopping(restore_best_weights=True)` (patience: every epoch), which "
@@ -204,9 +207,20 @@ class StopSelf(keras.callbacks.Callback):
 
 
 class Ready(keras.callbacks.Callback):
+    def __init__(self, strategy, rank):
+        super().__init__()
+        self.strategy, self.rank = strategy, rank
+
     def on_epoch_end(self, epoch, logs=None):
         if epoch == 0:
             print("READY", flush=True)
+        if epoch == 1 and FLAGS.wait_for_dead not in (-1, self.rank):
+            deadline = time.monotonic() + 60.0
+            while FLAGS.wait_for_dead not in self.strategy.progress()["dead"]:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker {FLAGS.wait_for_dead} not counted dead "
+                                       "within 60 s")
+                time.sleep(0.05)
 
 
 def wait_for_updates(strategy, count, timeout=60.0):
@@ -336,7 +350,7 @@ def main(argv):
             strategy.reset_compression_state()
             save(f"codec_state_reset{rank}.json", before=state, after=codec_state(model))
     else:
-        callbacks = ([Ready()] if FLAGS.scenario == "long" else
+        callbacks = ([Ready(strategy, rank)] if FLAGS.scenario == "long" else
                      [halve_learning_rate()] if FLAGS.scenario == "equivalence"
                      and (rank == 0 or not FLAGS.chief_halves) else [])
         if rank == FLAGS.slow_rank:

@@ -276,7 +276,7 @@ class FaultTest(tf.test.TestCase, parameterized.TestCase):
         out = self.get_temp_dir()
         survivors = [r for r in range(3) if r != rank]
         with make_cluster(out, 3, "--scenario=long", "--epochs=20",
-                          "--strategy_arg=replicas_to_aggregate=2",
+                          "--strategy_arg=replicas_to_aggregate=2", f"--wait_for_dead={rank}",
                           stop_on_failure=False) as cluster:
             wait_for_line(cluster, "READY")
             os.kill(cluster.pid(f"worker:{rank}"), signal.SIGKILL)

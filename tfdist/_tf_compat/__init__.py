@@ -9,8 +9,8 @@ these names as `_tf_compat.NAME`, re-exported here from the module that holds th
 
 - `distribute`: TF's strategy engines (`OneDeviceExtended`, `MirroredExtended`,
   `CollectiveAllReduceExtended`), their private state, and their collectives in loops;
-- `runtime`: TF's resource variables, checkpoint saveables, eager context, remote sessions
-  (and Keras's saveable base);
+- `runtime`: TF's resource variables, checkpoint saveables, eager context, remote sessions,
+  a `tf.data` iterator's state (and Keras's saveable base);
 - `keras_state`: Keras optimizers' and variables' private attributes, variable paths;
 - `keras_calls`: what Keras is doing now (open name scopes, stack frames, the model's step,
   its whole-model reads).
@@ -62,6 +62,7 @@ from tfdist._tf_compat.runtime import ResourceVariableSaveable
 from tfdist._tf_compat.runtime import Trackable
 from tfdist._tf_compat.runtime import create_remote_session
 from tfdist._tf_compat.runtime import discard_remote_session
+from tfdist._tf_compat.runtime import iterator_state
 from tfdist._tf_compat.runtime import set_handle_shape_and_dtype
 from tfdist._tf_compat.runtime import start_eager_context
 from tfdist._tf_compat.runtime import variable_accessed

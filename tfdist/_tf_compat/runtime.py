@@ -82,3 +82,15 @@ def discard_remote_session(session):
     frees it in this process (checked on TF 2.21).
     """
     session._closed = True  # pylint: disable=protected-access
+
+
+def iterator_state(iterator):
+    """What keeps the TensorFlow iterator of `iterator` (a `tf.data` iterator made in eager
+    mode) alive: its resource tensor and the dataset it reads (whose Python functions its
+    threads may still call). The resource is destroyed when the last of these goes.
+
+    A between-graph worker drops each epoch's iterators on another thread
+    (`tfdist._worker.release_aside`): `OwnedIterator` holds them as private attributes
+    (checked on TF 2.21)."""
+    return (iterator._iterator_resource,  # pylint: disable=protected-access
+            iterator._dataset)  # pylint: disable=protected-access

@@ -459,16 +459,6 @@ class StochasticGradientPushExtended(BetweenGraphExtendedMixin, _tf_compat.OneDe
         trained = {id(v.handle) for v in self._variables}
         return [v for v in self._model_variables if id(v.handle) not in trained]
 
-    # Input ---------------------------------------------------------------------------------
-
-    def _experimental_distribute_dataset(self, dataset, options):
-        # One replica: the dataset as it is, read by a plain iterator. TF's per-replica
-        # MultiDeviceIterator (what OneDeviceStrategy gives Keras) stalled for tens of
-        # seconds when a new epoch made its iterator, while the worker's server held waiting
-        # dequeues (measured: 10-60 s at most epoch starts, none with a plain iterator).
-        del options
-        return dataset.prefetch(1)
-
 
 def _assign_flat(variables, values):
     """Sets `variables` from the float vector `values` (their values one after another)."""
