@@ -200,6 +200,7 @@ DECLARED_HOOKS = {
     "_export_to_saved_model_graph",     # ps/tables.py (refused with the route that works)
     "_validate_colocate_with_variable",  # ps/worker.py, ps/shard_optimizer.py
     "_experimental_distribute_dataset",  # _worker.py (ps and gossip workers)
+    "_distribute_datasets_from_function",  # _worker.py
 }
 
 
@@ -589,12 +590,6 @@ class AccessorsTest(tf.test.TestCase):
         with tf.GradientTape(watch_accessed_variables=True) as tape:
             self.exercise("variable_accessed", variable)
         self.assertEqual([v.name for v in tape.watched_variables()], [variable.name])
-
-    def test_iterator_state(self):
-        iterator = iter(tf.data.Dataset.range(3))
-        resource, dataset = self.exercise("iterator_state", iterator)
-        self.assertEqual(resource.dtype, tf.resource)
-        self.assertIsInstance(dataset, tf.data.Dataset)
 
     def test_start_eager_context(self):
         self.exercise("start_eager_context")

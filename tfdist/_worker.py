@@ -3,9 +3,10 @@ where it computes, what its strategy tells about its task, how its `fit` reads i
 
 import atexit
 import logging
+import os
 import queue
+import sys
 import threading
-import weakref
 
 import tensorflow as tf
 
@@ -77,51 +78,61 @@ class BetweenGraphExtendedMixin:
         return self._connection.is_chief
 
     def _experimental_distribute_dataset(self, dataset, options):
-        del options
+        del options  # one replica, whose input is read on the host
         return WorkerDataset(dataset)
 
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        del options
+        return WorkerDataset(dataset_fn(tf.distribute.InputContext(
+            num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1)))
 
-class WorkerDataset(tf.distribute.DistributedDataset):
+
+class WorkerDataset(_tf_compat.DatasetAsIs, tf.distribute.DistributedDataset):
     """The dataset a between-graph worker's `fit` reads: one replica, so the dataset as it
-    is, read by a plain `tf.data` iterator, whose iterators are destroyed on a thread of their
-    own (`release_aside`).
+    is (prefetching one batch), read by plain `tf.data` iterators that are destroyed on a
+    thread of their own when dropped (`release_aside`).
 
-    Why: Keras 3 makes two iterators at every epoch's end and drops the first unused (its
-    `EpochIterator`), and the previous epoch's at the next epoch's first step. On a worker
-    of a cluster, destroying an iterator whose threads have just started took from 0.2 to
-    5 s in about one epoch end in two (measured on a 4-worker hard-sync run; 1 ms in a
-    process of its own), and in hard sync every worker waits for the one that stalls. TF's
-    per-replica `MultiDeviceIterator` (what `OneDeviceStrategy` gives Keras) stalled for
-    5-60 s at most epoch starts.
+    A `tf.data.Dataset` (Keras takes it in `fit`, `evaluate` and `predict`; AutoGraph loops
+    over it in-graph) and a `tf.distribute.DistributedDataset` (Keras does not distribute it
+    again).
+
+    Why: with `steps_per_epoch` unset on a dataset of known size, Keras 3's `EpochIterator`
+    makes an iterator at an epoch's end and another at the next epoch's start, dropping the
+    first unread, and drops the previous epoch's at the next first step. On a worker of a
+    cluster, destroying such an iterator (mostly the unread one) took 0.4-5 s at about one
+    epoch start in two of a 4-worker hard-sync run (1 ms in a process of its own; the cause
+    inside TensorFlow was not found), and in hard sync every worker waits for the one that
+    stalls. With TF's per-replica `MultiDeviceIterator` (OneDeviceStrategy's) the waits were
+    0.1-15 s at every epoch start.
+
+    The batches are read on the host: on a GPU worker the step copies its batch to the GPU
+    (TF's device prefetching is built on the same remote calls as `MultiDeviceIterator`, and
+    was not measured here).
     """
 
     def __init__(self, dataset):
-        self._dataset = dataset.prefetch(1)
+        super().__init__(dataset.prefetch(1))
 
     def __iter__(self):
-        iterator = iter(self._dataset)
-        release_aside(iterator)
-        return iterator
-
-    @property
-    def element_spec(self):
-        return self._dataset.element_spec
-
-    def reduce(self, initial_state, reduce_func):
-        return self._dataset.reduce(initial_state, reduce_func)
+        if not tf.executing_eagerly():  # inside a `tf.function`: TF's own graph iterator
+            return super().__iter__()
+        return _tf_compat.HandingOverIterator(self, release_aside)
 
 
 class _Releaser:
-    """A daemon thread that drops the objects it is given, one after another.
+    """A daemon thread that drops what it is given, one after another: where TensorFlow's
+    destructors run.
 
-    Joined at the interpreter's exit (`atexit`, bounded): a daemon thread still inside a
-    TensorFlow call when the interpreter finalizes aborts the process (CONTRIBUTING.md).
+    At the interpreter's exit it finishes only what it is dropping (bounded) and leaves the
+    rest to go with the process: a daemon thread still inside a TensorFlow call when the
+    interpreter finalizes aborts the process (CONTRIBUTING.md, "Traps").
     """
 
     JOIN_SECONDS = 30.0
 
     def __init__(self):
         self._queue = queue.SimpleQueue()
+        self._exiting = False
         self._thread = threading.Thread(target=self._run, name="tfdist-release", daemon=True)
         self._thread.start()
         atexit.register(self.stop)
@@ -132,28 +143,39 @@ class _Releaser:
     def _run(self):
         while True:
             state = self._queue.get()
-            if state is None:
+            if state is None or self._exiting:
                 return
-            del state  # the TensorFlow destructors run here, on this thread
+            del state  # the TensorFlow destructors run here
 
     def stop(self):
+        self._exiting = True
         self._queue.put(None)
         self._thread.join(self.JOIN_SECONDS)
         if self._thread.is_alive():
-            log.warning("tfdist: a tf.data iterator was still being destroyed after %.0f s "
-                        "at exit", self.JOIN_SECONDS)
+            log.warning("tfdist: a tf.data iterator was still being destroyed %.0f s into "
+                        "the exit", self.JOIN_SECONDS)
 
 
 _releaser = None
 _releaser_lock = threading.Lock()
 
 
-def release_aside(iterator):
-    """When `iterator` (a `tf.data` iterator made in eager mode) is dropped, its TensorFlow
-    state is destroyed on the releasing thread, not on the thread that dropped it."""
+def release_aside(state):
+    """Drops `state` (what keeps a dropped `tf.data` iterator alive) on the releasing
+    thread, started at the first call."""
     global _releaser
+    if sys.is_finalizing():
+        return  # no new thread now: `state` goes here, with the process
     with _releaser_lock:
         if _releaser is None:
             _releaser = _Releaser()
-    finalizer = weakref.finalize(iterator, _releaser.put, _tf_compat.iterator_state(iterator))
-    finalizer.atexit = False  # at exit, whatever is left goes with the process
+        releaser = _releaser
+    releaser.put(state)
+
+
+def _forget_releaser_in_child():
+    global _releaser, _releaser_lock
+    _releaser, _releaser_lock = None, threading.Lock()  # a forked child has no such thread
+
+
+os.register_at_fork(after_in_child=_forget_releaser_in_child)

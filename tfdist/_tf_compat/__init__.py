@@ -10,7 +10,7 @@ these names as `_tf_compat.NAME`, re-exported here from the module that holds th
 - `distribute`: TF's strategy engines (`OneDeviceExtended`, `MirroredExtended`,
   `CollectiveAllReduceExtended`), their private state, and their collectives in loops;
 - `runtime`: TF's resource variables, checkpoint saveables, eager context, remote sessions,
-  a `tf.data` iterator's state (and Keras's saveable base);
+  `tf.data` datasets and iterators (and Keras's saveable base);
 - `keras_state`: Keras optimizers' and variables' private attributes, variable paths;
 - `keras_calls`: what Keras is doing now (open name scopes, stack frames, the model's step,
   its whole-model reads).
@@ -56,13 +56,14 @@ from tfdist._tf_compat.keras_state import keras_variable_paths
 from tfdist._tf_compat.keras_state import keras_variable_storage
 from tfdist._tf_compat.runtime import VARIABLE_VALUE_KEY
 from tfdist._tf_compat.runtime import BaseResourceVariable
+from tfdist._tf_compat.runtime import DatasetAsIs
+from tfdist._tf_compat.runtime import HandingOverIterator
 from tfdist._tf_compat.runtime import KerasSaveable
 from tfdist._tf_compat.runtime import ResourceVariable
 from tfdist._tf_compat.runtime import ResourceVariableSaveable
 from tfdist._tf_compat.runtime import Trackable
 from tfdist._tf_compat.runtime import create_remote_session
 from tfdist._tf_compat.runtime import discard_remote_session
-from tfdist._tf_compat.runtime import iterator_state
 from tfdist._tf_compat.runtime import set_handle_shape_and_dtype
 from tfdist._tf_compat.runtime import start_eager_context
 from tfdist._tf_compat.runtime import variable_accessed

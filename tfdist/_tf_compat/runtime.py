@@ -15,6 +15,14 @@ session by hand. Part of `tfdist._tf_compat`, which re-exports every name here.
 # saves itself as one entry rather than as variables.
 from keras.src.saving.keras_saveable import KerasSaveable  # noqa: F401
 
+# A between-graph worker's `fit` reads a `tf.data.Dataset` whose iterators are destroyed on a
+# thread of their own (`tfdist._worker.WorkerDataset`): a dataset class (Keras takes a
+# dataset by the names of its classes, `DatasetV2` among them, and AutoGraph loops over one
+# in-graph), and an iterator class that hands its state over as it dies.
+from tensorflow.python.data.ops.dataset_ops import UnaryUnchangedStructureDataset  # noqa: F401
+from tensorflow.python.data.ops.iterator_ops import OwnedIterator  # noqa: F401
+from tensorflow.python.framework import ops as _ops  # noqa: F401
+
 # A master variable is a resource variable around a handle that every worker opens by shared
 # name on a ps task; only the private base class accepts an existing handle.
 from tensorflow.python.ops import handle_data_util  # noqa: F401
@@ -84,13 +92,31 @@ def discard_remote_session(session):
     session._closed = True  # pylint: disable=protected-access
 
 
-def iterator_state(iterator):
-    """What keeps the TensorFlow iterator of `iterator` (a `tf.data` iterator made in eager
-    mode) alive: its resource tensor and the dataset it reads (whose Python functions its
-    threads may still call). The resource is destroyed when the last of these goes.
 
-    A between-graph worker drops each epoch's iterators on another thread
-    (`tfdist._worker.release_aside`): `OwnedIterator` holds them as private attributes
-    (checked on TF 2.21)."""
-    return (iterator._iterator_resource,  # pylint: disable=protected-access
-            iterator._dataset)  # pylint: disable=protected-access
+class DatasetAsIs(UnaryUnchangedStructureDataset):
+    """A `tf.data.Dataset` that is `dataset` as it is (the same graph), for a subclass to
+    change how it is iterated. TF builds its own unary datasets so (checked on TF 2.21)."""
+
+    def __init__(self, dataset):
+        super().__init__(dataset, dataset._variant_tensor)  # pylint: disable=protected-access
+
+
+class HandingOverIterator(OwnedIterator):
+    """An eager iterator of `dataset` that, as it dies, gives what keeps its TensorFlow
+    iterator alive (its resource tensor, and the dataset whose Python functions the
+    iterator's threads may call) to `hand_over(state)`: the resource is destroyed where the
+    last reference to them goes.
+
+    `OwnedIterator` keeps them as private attributes, and `__del__` runs before the dying
+    object's attributes are released (checked on TF 2.21)."""
+
+    def __init__(self, dataset, hand_over):
+        self._hand_over = hand_over
+        with _ops.colocate_with(dataset._variant_tensor):  # as `Dataset.__iter__` does
+            super().__init__(dataset)
+
+    def __del__(self):
+        resource = self.__dict__.pop("_iterator_resource", None)
+        dataset = self.__dict__.pop("_dataset", None)
+        if resource is not None:
+            self._hand_over((resource, dataset))
