@@ -40,15 +40,17 @@ def examples_per_replica(args):
     return None
 
 
-def weighted(value, weights):
-    """`value`'s per-replica components, each multiplied by its replica's weight.
+def weighted(value, weights, wrap_class=None):
+    """`value`'s per-replica components, each multiplied by its replica's weight (regrouped
+    as `wrap_class`, default PerReplica).
 
     A replica with no examples (weight 0) gives zeros: its gradient may be NaN (a
     BatchNormalization's over an empty batch), and 0 * NaN would spread through the sum.
+    One elementwise op per tensor (`multiply_no_nan`), on every step whose batch size is not
+    known when traced: a weight of 1 leaves every value as it is.
     """
     def scaled(tensor, weight):
-        weight = tf.cast(weight, tensor.dtype)
-        return tf.where(weight > 0, tensor * weight, tf.zeros_like(tensor))
+        return tf.math.multiply_no_nan(tensor, tf.cast(weight, tensor.dtype))
 
     parts = []
     for part, weight in zip(components(value), weights):
@@ -59,7 +61,9 @@ def weighted(value, weights):
             else:
                 part = scaled(part, weight)
         parts.append(part)
-    return _tf_compat.regroup(tuple(parts))
+    if wrap_class is None:
+        return _tf_compat.regroup(tuple(parts))
+    return _tf_compat.regroup(tuple(parts), wrap_class=wrap_class)
 
 
 def replica_batch_spec(value):

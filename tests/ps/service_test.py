@@ -261,6 +261,30 @@ class RunOwnershipTest(tf.test.TestCase):
             run.send_control(protocol.STOP, 0)
         self.assertTrue(run.finished.wait(120))  # a bound against a hang
 
+    def test_shutdown_ends_the_service_and_its_run(self):
+        # `tfdist.launch.serve()` returns through it: a thread left in a TensorFlow call
+        # could abort the process at exit. A run serving updates stops at once...
+        service = PSService(types.SimpleNamespace(task_index=0), liveness_interval=3600,
+                            device=DEVICE)
+        run = self.start_run(service, "job-1")
+        service.start()
+        self.assertTrue(service.shutdown(120))  # a bound against a hang
+        self.assertTrue(run.finished.is_set())
+        self.assertIsNone(run.failure)
+        self.assertFalse(any(t.is_alive() for t in service._threads))
+        # ... and one still waiting for its chief to initialise it fails, saying why.
+        service = PSService(types.SimpleNamespace(task_index=0), liveness_interval=3600,
+                            device=DEVICE)
+        service.handle_control(hello(rank=0, job="job-2", init_timeout=3600.0))
+        self.assertTrue(self.answer(service, 0)["initialize"])
+        run = service.current
+        service.start()
+        with self.assertLogs("tfdist", "ERROR"):
+            self.assertTrue(service.shutdown(120))
+        self.assertRegex(run.failure, r"^/job:ps/task:0 was stopped before the chief "
+                                      r"/job:worker/task:0 at \S+ initialised the master "
+                                      r"variables$")
+
     def hand_over(self):
         """Job 1's run; the chief dies, worker 1 trains on, finishes and leaves: the run has
         ended. Its scheduler starts the chief again, which says hello. Returns `(service,

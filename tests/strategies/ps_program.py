@@ -124,12 +124,18 @@ def build_model(optimizer, steps_per_execution=1, model="mlp"):
     return model
 
 
-def wait_for_file(path, timeout=60.0):
+def wait_until(predicate, what, timeout=60.0):
+    """Polls `predicate` until it holds; a TimeoutError saying `what` did not happen after
+    `timeout` seconds (a bound against a hang)."""
     deadline = time.monotonic() + timeout
-    while not os.path.exists(path):
+    while not predicate():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {timeout} s")
+            raise TimeoutError(f"{what} within {timeout:g} s")
         time.sleep(0.05)
+
+
+def wait_for_file(path, timeout=60.0):
+    wait_until(lambda: os.path.exists(path), f"{path} did not appear", timeout)
 
 
 def save(name, **values):
@@ -215,20 +221,13 @@ class Ready(keras.callbacks.Callback):
         if epoch == 0:
             print("READY", flush=True)
         if epoch == 1 and FLAGS.wait_for_dead not in (-1, self.rank):
-            deadline = time.monotonic() + 60.0
-            while FLAGS.wait_for_dead not in self.strategy.progress()["dead"]:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"worker {FLAGS.wait_for_dead} not counted dead "
-                                       "within 60 s")
-                time.sleep(0.05)
+            wait_until(lambda: FLAGS.wait_for_dead in self.strategy.progress()["dead"],
+                       f"worker {FLAGS.wait_for_dead} not counted dead")
 
 
 def wait_for_updates(strategy, count, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while strategy.progress()["updates"] < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{count} updates not reached within {timeout} s")
-        time.sleep(0.05)
+    wait_until(lambda: strategy.progress()["updates"] >= count,
+               f"{count} updates not reached", timeout)
 
 
 def restart_scenario(strategy, model, xs, ys):

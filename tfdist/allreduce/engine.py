@@ -183,26 +183,27 @@ class _CompressedExchangeMixin:
         if warning:
             log.warning("tfdist: %s", warning)
 
-    def _example_weights(self, options):
-        """Each local replica's gradient weight, N * n_r / n: Keras averages the loss over
-        each replica's own n_r examples and divides it by the N replicas, which is the mean
-        over the global batch's n examples only when every replica has n / N of them. A
-        global batch that the replicas do not divide (32 over 3: 11, 11, 10), or a last
-        partial batch (some replicas get none), would weight some examples more than others;
-        weighted, the summed gradient is the single-process gradient of the same global
-        batch (`tf.nn.compute_average_loss(..., global_batch_size=<the true global
-        batch>)`). Only for losses averaged over each replica's rows (see
-        `_averages_each_replica`). None when
-        every replica has as many examples: then every weight is 1 and nothing is added.
+    def _example_counts(self):
+        """Each local replica's examples in the step being traced (float32 scalars on its
+        device), or None when they need no weighting.
+
+        Keras averages the loss over each replica's own n_r examples and divides it by the N
+        replicas, which is the mean over the global batch's n examples only when every
+        replica has n / N of them. A global batch that the replicas do not divide (32 over 3:
+        11, 11, 10), or a last partial batch (some replicas get none), would weight some
+        examples more than others; weighted by N * n_r / n, the summed gradient is the
+        single-process gradient of the same global batch (`tf.nn.compute_average_loss(...,
+        global_batch_size=<the true global batch>)`). Only for losses averaged over each
+        replica's rows (see `_averages_each_replica`). None when every replica has as many
+        examples, known when traced: then every weight is 1 and nothing is added.
         """
         trace = self._step_trace
         examples = None if trace is None else trace["examples"]
         if examples is None:
             return None
-        multi_worker = self._in_multi_worker_mode()
         static = [tf.get_static_value(n) for n in examples]
         if (None not in static and len(set(static)) == 1
-                and not (multi_worker and tf.executing_eagerly())):
+                and not (self._in_multi_worker_mode() and tf.executing_eagerly())):
             # Equal sizes known when traced: every worker runs the same input pipeline, and
             # a global batch rebatched over the replicas has a known size only if it
             # divides. (An eager step sees every size; the other workers' may differ.)
@@ -211,7 +212,12 @@ class _CompressedExchangeMixin:
         for device, n in zip(self.worker_devices, examples):
             with tf.device(device):  # where the all-reduce runs: one batch with the others
                 counts.append(tf.cast(n, tf.float32))
-        if multi_worker:
+        return counts
+
+    def _example_weights(self, counts, options):
+        """Each local replica's gradient weight N * n_r / n, from `_example_counts`; between
+        processes the total n is all-reduced on its own."""
+        if self._in_multi_worker_mode():
             total = super()._batch_reduce_to(
                 tf.distribute.ReduceOp.SUM,
                 [(_tf_compat.regroup(tuple(counts)),) * 2], options)[0]
@@ -220,6 +226,28 @@ class _CompressedExchangeMixin:
             total = tf.add_n(counts)
         scale = float(_tf_compat.container_strategy(self).num_replicas_in_sync)
         return [tf.math.divide_no_nan(scale * n, total) for n in counts]
+
+    def _weighted_sum(self, reduce_op, value_destination_pairs, counts, options):
+        """The uncompressed gradient exchange between processes, weighted by `counts`: each
+        replica's gradient times its n_r, summed in the same all-reduce as the n_r (TF packs
+        a batch's dense tensors into one collective), then scaled by N / n (SUM) or 1 / n
+        (MEAN). One collective a step, as unweighted, where weights computed first would
+        all-reduce n on its own before it."""
+        strategy = _tf_compat.container_strategy(self)
+        dtypes = {c.dtype for value, _ in value_destination_pairs for c in components(value)
+                  if not isinstance(c, tf.IndexedSlices)}
+        dtype = dtypes.pop() if len(dtypes) == 1 else tf.float32  # packed with them
+        local = _tf_compat.regroup(tuple(tf.cast(n, dtype) for n in counts))
+        summed = super()._batch_reduce_to(
+            tf.distribute.ReduceOp.SUM,
+            [(weighted(value, counts), destination)
+             for value, destination in value_destination_pairs] + [(local, local)], options)
+        factor = (float(strategy.num_replicas_in_sync)
+                  if reduce_op == tf.distribute.ReduceOp.SUM else 1.0)
+        scales = [tf.math.divide_no_nan(tf.constant(factor, dtype), total)
+                  for total in components(summed[-1])]
+        return [weighted(value, scales, wrap_class=_tf_compat.Mirrored)
+                for value in summed[:-1]]
 
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         values = [value for value, _ in value_destination_pairs]
@@ -231,8 +259,11 @@ class _CompressedExchangeMixin:
             found = self._gradient_variables(values)
         if found is None:
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
-        weights = self._example_weights(options)
-        if weights is not None:
+        counts = self._example_counts()
+        if counts is not None and self._exchange is None and self._in_multi_worker_mode():
+            return self._weighted_sum(reduce_op, value_destination_pairs, counts, options)
+        if counts is not None:
+            weights = self._example_weights(counts, options)
             value_destination_pairs = [(weighted(value, weights), destination)
                                        for value, destination in value_destination_pairs]
         if self._exchange is None:

@@ -206,13 +206,18 @@ class GossipNode:
         with self._lock:
             self.expected.discard(sender)
 
+    @property
+    def _probe_timeout(self):
+        """Seconds one probe of a peer waits: never longer than a stall may last."""
+        return min(PROBE_TIMEOUT, self.stall_timeout)
+
     def _watch(self):
         """Every half second: the courier is alive, and each peer whose messages this worker
         still waits for answers an RPC (all probed at once, `tfdist.cluster.liveness`). One
         that refuses connections for `peer_timeout`, or accepts them but does not answer for
         `stall_timeout`, is reported dead."""
         liveness = Liveness(self.stall_timeout, gone_timeout=self.peer_timeout,
-                            probe=ServerProbe(timeout=min(PROBE_TIMEOUT, self.stall_timeout)))
+                            probe=ServerProbe(timeout=self._probe_timeout))
         try:
             while not self._stop.wait(0.5):
                 if self.courier.poll() is not None:
@@ -264,8 +269,8 @@ class GossipNode:
         self._stop.set()
         # A round probes each peer (twice when the courier exited), one after the other at
         # worst, after its half-second wait.
-        join_prober(self._watcher, 0.5 + 2 * probing_seconds(
-            min(PROBE_TIMEOUT, self.stall_timeout), self.num_workers))
+        join_prober(self._watcher, 0.5 + 2 * probing_seconds(self._probe_timeout,
+                                                             self.num_workers))
         if self.courier.poll() is None:
             try:
                 with tf.init_scope():

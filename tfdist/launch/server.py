@@ -23,6 +23,9 @@ from tfdist._args import check_seconds
 # control loop) holds one ps thread until it returns; with the default pool (the core count)
 # two waiting workers freeze the ps.
 DEFAULT_PS_THREADS = 64
+# Seconds `serve()` waits, as it returns, for the ps service's threads (its control loop,
+# liveness watcher and current run) to end.
+SHUTDOWN_TIMEOUT = 30.0
 
 
 def threads_needed(config):
@@ -195,11 +198,12 @@ def serve(config, threads=None, ready_callback=None, workers_gone=None, imports=
     previous = {sig: signal.signal(sig, lambda *_: stop.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     task = f"/job:ps/task:{config.task_index}"
+    service = None
     try:
         target = start_server(config, threads)
         from tfdist.ps.service import PSService
 
-        PSService(config, imports=imports).start()
+        service = PSService(config, imports=imports).start()
         if ready_callback:
             ready_callback(target)
         next_probe = time.monotonic()
@@ -215,4 +219,7 @@ def serve(config, threads=None, ready_callback=None, workers_gone=None, imports=
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if service is not None and not service.shutdown(SHUTDOWN_TIMEOUT):
+            print(f"[tfdist-launch] {task}: the ps service's threads did not end within "
+                  f"{SHUTDOWN_TIMEOUT:g} s", file=sys.stderr, flush=True)
     return 0

@@ -192,6 +192,9 @@ class ShardRun:
         while not all(is_initialized(v) for v in variables):
             if self.refused is not None:
                 raise RunFailed(self.refused)
+            if self.service.stopping:
+                raise RunFailed(f"{self.service.task} was stopped before {chief} initialised "
+                                "the master variables")
             if time.monotonic() > deadline:
                 raise RunFailed(f"{chief} did not initialise the master variables within "
                                 f"{self.spec.init_timeout:g} s: is it running the same "
@@ -354,12 +357,34 @@ class PSService:
             thread.start()
         return self
 
+    @property
+    def stopping(self):
+        return self._stop.is_set()
+
     def stop(self):
         self._stop.set()
         self.watcher.stopped.set()
         with tf.device(self.device):
             tf.raw_ops.QueueEnqueueV2(handle=self.control,
                                       components=[tf.constant(wire.encode({"type": "stop"}))])
+
+    def shutdown(self, timeout=30.0):
+        """Stops the service and its current run, and waits (at most `timeout` seconds) for
+        their threads: a process returning from `tfdist.launch.serve()` then exits with
+        none of them inside a TF op. True if every thread ended in time."""
+        self.stop()
+        run = self.current
+        threads = list(self._threads)
+        if run is not None and run._thread.is_alive():
+            threads.append(run._thread)
+            try:
+                run.send_control(protocol.STOP, 0)
+            except tf.errors.OpError:
+                pass  # its queues are closed: it is ending
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in threads)
 
     def _answer(self, rank, answer):
         if rank not in self.hello_queues:
