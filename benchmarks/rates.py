@@ -69,7 +69,6 @@ def rows(m, peer):
         REFERENCE: (["--strategy=multi_worker_mirrored"], 0, m),
         f"{REFERENCE}, steps_per_execution 10": (["--strategy=multi_worker_mirrored", *SPE10],
                                                   0, m),
-        "all-reduce (TF MultiWorkerMirrored)": (["--strategy=tf_multi_worker_mirrored"], 0, m),
         "hard sync, 1 ps": (["--strategy=soft_sync"], 1, m),
         "hard sync, 2 ps": (["--strategy=soft_sync"], 2, m),
         "async, 1 ps": (["--strategy=async"], 1, m),
