@@ -87,12 +87,14 @@ def learning_rate(name):
 # Step time and bytes --------------------------------------------------------------------
 
 
-def timing_data(kind="mlp"):
+def timing_data(kind="mlp", drop_remainder=False):
+    """`drop_remainder=True`: every batch's size is known when the step is traced."""
     rng = np.random.RandomState(0)
     shape = (TIMING_INPUT,) if kind == "mlp" else CNN_INPUT
     x = rng.randn(TIMING_BATCH * 64, *shape).astype("float32")
     y = rng.randint(0, 10, len(x)).astype("int32")
-    return tf.data.Dataset.from_tensor_slices((x, y)).batch(TIMING_BATCH).repeat()
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(
+        TIMING_BATCH, drop_remainder=drop_remainder).repeat()
 
 
 def timing_model(strategy, lr=0.01, kind="mlp"):
@@ -219,20 +221,37 @@ def codec_timer(comp, real, replicas=2, repeats=5, unroll=10):
     return seconds
 
 
-def measure_exchange(names, steps, repeats):
-    data = timing_data()
+def baseline_ratio(data, steps, repeats):
+    """Step seconds of TF's MirroredStrategy and of `CompressedMirroredStrategy(compression=
+    None)` on `data`, and the median ratio of neighbouring runs (robust to the machine's
+    drift)."""
     baseline = {"tf MirroredStrategy": timing_model(tf.distribute.MirroredStrategy(DEVICES)),
                 "tfdist, compression=None": timing_model(
                     tfdist.strategies.CompressedMirroredStrategy(DEVICES))}
     seconds, _, samples = step_times(baseline, data, steps, repeats)
-    # The median of the ratios of neighbouring runs: robust to the machine's drift.
     ratios = [a / b for a, b in zip(samples["tfdist, compression=None"],
                                     samples["tf MirroredStrategy"])]
-    result = {"model_parameters": int(baseline["tf MirroredStrategy"].count_params()),
+    return seconds, statistics.median(ratios), int(
+        baseline["tf MirroredStrategy"].count_params())
+
+
+def measure_exchange(names, steps, repeats):
+    data = timing_data()
+    # Batches of a size unknown when traced (Keras's own from arrays, `batch()` without
+    # drop_remainder): tfdist weighs each replica's gradient by its examples every step,
+    # which makes a batch the replicas do not divide exact; TF's strategy does not. With
+    # the sizes known (drop_remainder), nothing is weighted.
+    seconds, ratio, size = baseline_ratio(data, steps, repeats)
+    even_seconds, even_ratio, _ = baseline_ratio(
+        timing_data(drop_remainder=True), steps, max(2, repeats // 2))
+    result = {"model_parameters": size,
               "step_seconds": seconds, "timing": {"steps": steps, "repeats": repeats},
-              "step_time_ratio": statistics.median(ratios),
+              "step_time_ratio": ratio,
+              "static_batch": {"step_seconds": even_seconds, "step_time_ratio": even_ratio,
+                               "repeats": max(2, repeats // 2)},
               "compressors": {}}
-    print(f"step time: tfdist/tf = {result['step_time_ratio']:.3f}", flush=True)
+    print(f"step time: tfdist/tf = {ratio:.3f} (batch size known when traced: "
+          f"{even_ratio:.3f})", flush=True)
     size = result["model_parameters"]
     real = real_gradients()
     for name in names:
