@@ -901,6 +901,25 @@ class UnevenBatchesTest(UnevenBatchesMixin, tf.test.TestCase, parameterized.Test
             counts = _replica_batches.examples_per_replica((per_replica,))
             self.assertEqual([int(n) for n in counts], [want, want])
 
+    def test_row_counts_travel_with_float32_or_float64_gradients_only(self):
+        # Between workers the counts join the gradients' all-reduce batch in their dtype:
+        # float16 / bfloat16 would round or overflow them, and TF packs one dtype.
+        strategy = tfdist.strategies.CompressedMirroredStrategy(THREE_DEVICES[:2])
+        packed = strategy.extended._packed_dtype
+
+        def pairs(*values):
+            return [(strategy.experimental_distribute_values_from_function(
+                lambda context, v=v: v), None) for v in values]
+
+        slices = tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]), tf.constant([3, 2]))
+        self.assertEqual(packed(pairs(tf.ones([2]), tf.ones([3]))), tf.float32)
+        self.assertEqual(packed(pairs(tf.ones([2], tf.float64))), tf.float64)
+        self.assertEqual(packed(pairs(slices)), tf.float32)  # (all sparse: the counts alone)
+        self.assertEqual(packed(pairs(tf.ones([2]), slices)), tf.float32)
+        for dtypes in ([tf.float16], [tf.bfloat16], [tf.float32, tf.float64]):
+            with self.subTest(dtypes):
+                self.assertIsNone(packed(pairs(*[tf.ones([2], d) for d in dtypes])))
+
     def test_a_replica_without_examples_leaves_batchnorm_finite(self):
         # The last batch of 34 rows in batches of 32 is 2 rows over 3 replicas: one has
         # none, and its BatchNormalization gradient is NaN; weighted 0, it must add nothing.

@@ -227,25 +227,39 @@ class _CompressedExchangeMixin:
         scale = float(_tf_compat.container_strategy(self).num_replicas_in_sync)
         return [tf.math.divide_no_nan(scale * n, total) for n in counts]
 
-    def _weighted_sum(self, reduce_op, value_destination_pairs, counts, options):
-        """The uncompressed gradient exchange between processes, weighted by `counts`: each
-        replica's gradient times its n_r, summed in the same all-reduce as the n_r (TF packs
-        a batch's dense tensors into one collective), then scaled by N / n (SUM) or 1 / n
-        (MEAN). One collective a step, as unweighted, where weights computed first would
-        all-reduce n on its own before it."""
-        strategy = _tf_compat.container_strategy(self)
+    @staticmethod
+    def _packed_dtype(value_destination_pairs):
+        """The dtype the row counts can travel in with the dense gradients of a batch (one
+        float32 or float64 for all: TF concatenates a pack, and counts in float16 or
+        bfloat16 would round or overflow), else None."""
         dtypes = {c.dtype for value, _ in value_destination_pairs for c in components(value)
                   if not isinstance(c, tf.IndexedSlices)}
-        dtype = dtypes.pop() if len(dtypes) == 1 else tf.float32  # packed with them
-        local = _tf_compat.regroup(tuple(tf.cast(n, dtype) for n in counts))
+        if dtypes <= {tf.float32} or dtypes == {tf.float64}:
+            return dtypes.pop() if dtypes else tf.float32
+        return None
+
+    def _weighted_sum(self, reduce_op, value_destination_pairs, counts, dtype, options):
+        """The uncompressed gradient exchange between processes, weighted by `counts`: each
+        replica's gradient times its n_r, all-reduced in the same batch as the n_r (in a
+        traced step TF packs a batch's dense tensors into one collective, or into packs of
+        `bytes_per_pack`), then scaled by N / n (SUM) or 1 / n (MEAN): no collective of the
+        counts' own before it, as weights computed first would need."""
+        strategy = _tf_compat.container_strategy(self)
+        local = []
+        for n in counts:  # on each replica's device, as the gradients: one batch with them
+            with tf.device(n.device):
+                local.append(tf.cast(n, dtype))
+        local = _tf_compat.regroup(tuple(local))
         summed = super()._batch_reduce_to(
             tf.distribute.ReduceOp.SUM,
             [(weighted(value, counts), destination)
              for value, destination in value_destination_pairs] + [(local, local)], options)
         factor = (float(strategy.num_replicas_in_sync)
                   if reduce_op == tf.distribute.ReduceOp.SUM else 1.0)
-        scales = [tf.math.divide_no_nan(tf.constant(factor, dtype), total)
-                  for total in components(summed[-1])]
+        scales = []
+        for total in components(summed[-1]):
+            with tf.device(total.device):
+                scales.append(tf.math.divide_no_nan(tf.constant(factor, dtype), total))
         return [weighted(value, scales, wrap_class=_tf_compat.Mirrored)
                 for value in summed[:-1]]
 
@@ -261,7 +275,10 @@ class _CompressedExchangeMixin:
             return super()._batch_reduce_to(reduce_op, value_destination_pairs, options)
         counts = self._example_counts()
         if counts is not None and self._exchange is None and self._in_multi_worker_mode():
-            return self._weighted_sum(reduce_op, value_destination_pairs, counts, options)
+            dtype = self._packed_dtype(value_destination_pairs)
+            if dtype is not None:
+                return self._weighted_sum(reduce_op, value_destination_pairs, counts, dtype,
+                                          options)
         if counts is not None:
             weights = self._example_weights(counts, options)
             value_destination_pairs = [(weighted(value, weights), destination)

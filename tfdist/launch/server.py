@@ -219,7 +219,14 @@ def serve(config, threads=None, ready_callback=None, workers_gone=None, imports=
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if service is not None and not service.shutdown(SHUTDOWN_TIMEOUT):
-            print(f"[tfdist-launch] {task}: the ps service's threads did not end within "
-                  f"{SHUTDOWN_TIMEOUT:g} s", file=sys.stderr, flush=True)
+        if service is not None:
+            try:
+                ended = service.shutdown(SHUTDOWN_TIMEOUT)
+            except Exception as e:  # not to hide what ended the task
+                print(f"[tfdist-launch] {task}: stopping the ps service failed: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            else:
+                if not ended:
+                    print(f"[tfdist-launch] {task}: the ps service's threads did not end "
+                          f"within {SHUTDOWN_TIMEOUT:g} s", file=sys.stderr, flush=True)
     return 0

@@ -192,7 +192,7 @@ class ShardRun:
         while not all(is_initialized(v) for v in variables):
             if self.refused is not None:
                 raise RunFailed(self.refused)
-            if self.service.stopping:
+            if self.service.stopping and not all(is_initialized(v) for v in variables):
                 raise RunFailed(f"{self.service.task} was stopped before {chief} initialised "
                                 "the master variables")
             if time.monotonic() > deadline:
@@ -373,18 +373,23 @@ class PSService:
         their threads: a process returning from `tfdist.launch.serve()` then exits with
         none of them inside a TF op. True if every thread ended in time."""
         self.stop()
+        deadline = time.monotonic() + timeout
+
+        def join(thread):
+            if thread.ident is not None:  # (started)
+                thread.join(max(0.0, deadline - time.monotonic()))
+            return not thread.is_alive()
+
+        # The control thread first: once it has ended, no hello starts another run.
+        ended = all([join(thread) for thread in self._threads])
         run = self.current
-        threads = list(self._threads)
         if run is not None and run._thread.is_alive():
-            threads.append(run._thread)
             try:
                 run.send_control(protocol.STOP, 0)
             except tf.errors.OpError:
                 pass  # its queues are closed: it is ending
-        deadline = time.monotonic() + timeout
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return not any(thread.is_alive() for thread in threads)
+            ended = join(run._thread) and ended
+        return ended
 
     def _answer(self, rank, answer):
         if rank not in self.hello_queues:
@@ -401,6 +406,8 @@ class PSService:
             with tf.device(self.device):
                 text = tf.raw_ops.QueueDequeueV2(handle=self.control,
                                                  component_types=[tf.string])[0]
+            if self._stop.is_set():
+                return  # stopping: a hello still queued starts no run
             self.handle_control(text.numpy())
 
     def handle_control(self, text):
