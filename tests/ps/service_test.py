@@ -391,10 +391,8 @@ class RunOwnershipTest(tf.test.TestCase):
     def end(self, service):
         """Stops `service`'s threads, and waits for them: the control queue of its device
         outlives it, and the next test's service must be the only one reading it."""
-        service.stop()
-        for thread in service._threads:
-            thread.join(120)  # a bound against a hang
-            self.assertFalse(thread.is_alive())
+        self.assertTrue(service.shutdown(120))  # a bound against a hang
+        self.assertFalse(any(thread.is_alive() for thread in service._threads))
 
     def clients(self, rank, services):
         """Worker `rank`'s `ShardClient` of each ps task of `services`."""
