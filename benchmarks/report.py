@@ -471,7 +471,9 @@ def embedding_section(result, plot="embedding.png"):
                 != settings["repeats"] else "")
              + f", {settings['window']:g} s windows after "
              f"{settings['warmup']:g} s; an update is one change of the ps variables (hard sync:"
-             " one per `workers` pushes); examples/s = pushes x batch. Bytes: the cluster's "
+             " one per `workers` pushes); examples/s = pushes x batch; vs peer and vs "
+             "smallest V are ratios of examples/s medians, \"no difference\" where either "
+             "cell's min-max range is as wide as the difference. Bytes: the cluster's "
              "private loopback over the window per worker step, both ways, headers included. "
              "Memory: the largest peak resident set (VmHWM) of a worker, of a ps task. Accuracy"
              f" and loss: on 20,000 held-out examples after {settings['quality_examples']:,} "
@@ -524,9 +526,10 @@ def embedding_section(result, plot="embedding.png"):
                       else "")
             rows.append([label, workers, num_ps or "", f"{cell['rows']:,}",
                          _spread(cell.get("updates_per_second")), _spread(rate, digits=0),
-                         f"{rate['median'] / peer['median']:.2f}x"
-                         if rate and peer and cell["system"] != "peer" else "",
-                         f"{rate['median'] / first['median']:.2f}x" if rate and first else "",
+                         comparison_text(compare(rate, peer))
+                         if cell["system"] != "peer" else "",
+                         "1.00x" if cell is cells[0] and rate
+                         else comparison_text(compare(rate, first)),
                          _spread(cell.get("bytes_per_worker_step"), digits=0),
                          _spread(cell.get("worker_peak_bytes"), mib, 0),
                          _spread(cell.get("ps_peak_bytes"), mib, 0),
