@@ -901,12 +901,15 @@ def scaling_section(scaling, capacity_result, sources):
 
 def quality_section(quality):
     parts = ["## Accuracy (digits) against single-process training", "",
-             f"{quality['epochs']} epochs, seeds {quality['seeds']}; mean test accuracy, "
+             f"{quality['epochs']} epochs, seeds {quality['seeds']}; mean test accuracy "
+             "(± its standard deviation over the seeds), "
              "difference to one process in points, mean training seconds."
              + outer_note(quality.get("outer_optimizer"))
              + updated_note(quality.get("updated_modes")) + _load_text(quality), ""]
     single = quality["single process"]
-    rows = [["single process", "1", f"{single['test_accuracy_mean']:.4f}", "",
+    spread = (f" ± {single['test_accuracy_std']:.4f}" if "test_accuracy_std" in single
+              else "")
+    rows = [["single process", "1", f"{single['test_accuracy_mean']:.4f}{spread}", "",
              f"{single['train_seconds_mean']:.1f}"]]
     sources = {"single process": part_commit(quality, "single process")}
     for group in (k for k in quality if k.endswith("workers")):
