@@ -314,6 +314,26 @@ class AccessorsTest(tf.test.TestCase):
         self.assertEqual(tuple(self.exercise("keras_variable_declared_shape", variable)),
                          (2, 3))
 
+    def test_keras_initializer_of(self):
+        made = []
+
+        def creator(next_creator, **kwargs):
+            made.append(kwargs["initial_value"])
+            return next_creator(**kwargs)
+
+        initializer = keras.initializers.RandomUniform(-0.1, 0.1, seed=3)
+        with tf.variable_creator_scope(creator):
+            keras.Variable(initializer=initializer, shape=(2, 3))
+            keras.Variable(np.ones([2]))
+        self.assertIs(self.exercise("keras_initializer_of", made[0]), initializer)
+        self.assertIsNone(self.exercise("keras_initializer_of", made[1]))
+        self.assertIsNone(self.exercise("keras_initializer_of", lambda: tf.zeros([2])))
+
+    def test_keras_initializer_fans(self):
+        fans = self.exercise("keras_initializer_fans", keras.initializers.GlorotUniform(),
+                             (30, 4))
+        self.assertEqual(tuple(fans), (30, 4))
+
     def test_keras_optimizer_decays(self):
         kernel, bias = keras.Variable(np.ones([2]), name="kernel"), keras.Variable(1.0,
                                                                                    name="bias")

@@ -367,6 +367,52 @@ class TableVariableTest(tf.test.TestCase):
         self.assertEqual(whole.initialize(), 1)
         self.assertAllEqual(whole.numpy(), np.full([ROWS, WIDTH], 3.0))
 
+    def _split_variable(self, initializer, splits=((0, 15), (15, ROWS))):
+        """The parts of a Keras variable of `initializer` made as a table of `splits`."""
+        with tf.variable_creator_scope(_table_creator(splits)):
+            variable = keras.Variable(initializer=initializer, shape=(ROWS, WIDTH))
+        return [m.numpy() for m, _ in variable.value.parts]
+
+    def test_a_split_table_s_parts_are_made_on_their_own_ps_task(self):
+        # A Keras initializer that draws each element alone makes each part's rows on the
+        # part's device, a chunk at a time: no ps task holds the whole table's value.
+        created = []
+        real_write = tables.TableVariable._write_parts
+
+        def write_parts(table, value, parts):
+            created.append(callable(value))
+            return real_write(table, value, parts)
+
+        with mock.patch.object(tables.TableVariable, "_write_parts", write_parts), \
+                mock.patch.object(tables, "CHUNK_BYTES", 5 * WIDTH * 4):
+            first, second = self._split_variable(
+                keras.initializers.RandomUniform(-0.1, 0.1, seed=7))
+            again = self._split_variable(keras.initializers.RandomUniform(-0.1, 0.1, seed=7))
+            constant = self._split_variable(keras.initializers.Constant(0.1))
+            glorot = np.concatenate(self._split_variable(keras.initializers.GlorotUniform(3)))
+        self.assertEqual(created, [True] * 4)
+        # The same distribution, not the same numbers as one draw: every chunk its own.
+        values = np.concatenate([first, second])
+        self.assertAllInRange(values, -0.1, 0.1)
+        chunks = values.reshape(-1, 5 * WIDTH)
+        self.assertLen(np.unique(chunks, axis=0), len(chunks))
+        # The same seed gives the same table (each chunk's seed is the seed and its row).
+        self.assertAllEqual(np.concatenate(again), values)
+        # A constant is exact; variance scaling takes the whole table's fans, not a part's.
+        self.assertAllEqual(np.concatenate(constant), np.full([ROWS, WIDTH], 0.1, np.float32))
+        limit = np.sqrt(6.0 / (ROWS + WIDTH))
+        self.assertAllInRange(glorot, -limit, limit)
+        self.assertGreater(np.abs(glorot).max(), 0.8 * limit)
+
+    def test_a_split_table_of_another_initializer_is_made_whole_as_keras_makes_it(self):
+        initializer = keras.initializers.Orthogonal(seed=5)
+        parts = self._split_variable(initializer)
+        self.assertAllClose(np.concatenate(parts), initializer((ROWS, WIDTH)))
+        # A table of one part takes the value as Keras makes it, seeded or not.
+        uniform = keras.initializers.RandomUniform(seed=11)
+        whole = self._split_variable(uniform, splits=((0, ROWS),))
+        self.assertAllEqual(whole[0], uniform((ROWS, WIDTH)))
+
     def test_join_s_snapshot_of_the_mirrors_copies_no_table(self):
         # `join()` reads the masters of the mirrors only: its snapshot of a shard leaves the
         # shard's table parts out (a copy of each is its size again on its ps task). A

@@ -39,6 +39,8 @@ from tfdist._tf_compat.keras_calls import keras_model_of_step
 from tfdist._tf_compat.keras_calls import keras_optimizer_in_scope
 from tfdist._tf_compat.keras_calls import keras_own_train_step
 from tfdist._tf_compat.keras_calls import keras_whole_model_reads
+from tfdist._tf_compat.keras_state import keras_initializer_fans
+from tfdist._tf_compat.keras_state import keras_initializer_of
 from tfdist._tf_compat.keras_state import keras_name_scope_for_path
 from tfdist._tf_compat.keras_state import keras_optimizer_apply_weight_decay
 from tfdist._tf_compat.keras_state import keras_optimizer_decays

@@ -7,7 +7,8 @@ exists, or an optimizer's own weight-decay rules; the ps engine needs each of th
 Checked against Keras 3.15: `BaseOptimizer._trainable_variables` (set in `build`),
 `_iterations`, `_get_variable_index`, `_use_weight_decay` and `_apply_weight_decay` in
 `keras/src/optimizers/base_optimizer.py`; `Variable._value` and `_shape` in
-`keras/src/backend/common/variables.py`. `tests/tf_compat_test.py` runs each function.
+`keras/src/backend/common/variables.py`; the initializer a variable's storage is made from
+in `keras/src/backend/tensorflow/core.py`. `tests/tf_compat_test.py` runs each function.
 
 Part of `tfdist._tf_compat`, which re-exports every name here.
 """
@@ -126,6 +127,36 @@ def keras_variable_storage(variable):
 def keras_optimizer_step_storage(optimizer):
     """The TF variable behind `optimizer`'s step counter (`iterations`), or None."""
     return keras_variable_storage(getattr(optimizer, "_iterations", None))
+
+
+def keras_initializer_of(initial_value):
+    """The Keras initializer a Keras variable's `initial_value` calls, or None.
+
+    Keras 3.15's TF backend makes a variable's storage from
+    `lambda: initializer(self._shape, dtype=self._dtype)`
+    (`Variable._initialize_with_initializer`, `keras/src/backend/tensorflow/core.py`): the
+    initializer is that function's free variable `initializer`. Anything else (a value, a
+    function of another shape) gives None.
+    """
+    code = getattr(initial_value, "__code__", None)
+    closure = getattr(initial_value, "__closure__", None)
+    if code is None or not closure or "initializer" not in code.co_freevars:
+        return None
+    found = closure[code.co_freevars.index("initializer")].cell_contents
+    import keras
+
+    return found if isinstance(found, keras.initializers.Initializer) else None
+
+
+def keras_initializer_fans(initializer, shape):
+    """`(fan_in, fan_out)` of a Keras variance-scaling initializer on `shape`, as its own
+    `__call__` computes them (Keras 3.15: `compute_fans` in
+    `keras/src/initializers/random_initializers.py`, with the initializer's `input_axes`
+    and `output_axes`)."""
+    from keras.src.initializers.random_initializers import compute_fans
+
+    return compute_fans(shape, input_axes=initializer.input_axes,
+                        output_axes=initializer.output_axes)
 
 
 def keras_variable_declared_shape(variable):

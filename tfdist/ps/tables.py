@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from tfdist import _tf_compat
 from tfdist.ps import snapshot as snapshot_lib
+from tfdist.ps import table_init
 from tfdist.ps import variables as variables_lib
 from tfdist.ps.spec import RunError
 
@@ -348,6 +349,13 @@ class TableVariable(_tf_compat.BaseResourceVariable):
             self._write_parts(self._tfdist_pending, targets)
             return
         initial = self._tfdist_initial_value
+        make_rows = (self._rows_initializer(initial) if len(self._tfdist_parts) > 1
+                     else None)
+        if make_rows is not None:
+            # Each part's rows made on its own ps task, a chunk at a time: no task holds
+            # more than its part and a chunk.
+            self._write_parts(make_rows, targets)
+            return
         with tf.init_scope(), tf.device(self._tfdist_parts[0][0].device):
             value = initial() if callable(initial) else initial
             value = tf.convert_to_tensor(value, dtype=self.dtype)
@@ -360,6 +368,22 @@ class TableVariable(_tf_compat.BaseResourceVariable):
                 self._tfdist_parts[0][0].assign(value, read_value=False)
                 return
         self._write_parts(value, targets)
+
+    def _rows_initializer(self, initial):
+        """`make(begin, end)`: rows of the initial value made alone (`table_init`), or None
+        (the value is made whole, on the first part's ps task)."""
+        if not callable(initial):
+            return None
+        initializer = _tf_compat.keras_initializer_of(initial)
+        make_rows = (None if initializer is None
+                     else table_init.rows_initializer(initializer, self.shape, self.dtype))
+        if make_rows is None:
+            logging.getLogger("tfdist").info(
+                "tfdist: the initial value of table %s is made whole on %s, then split over "
+                "its %d parts (its initializer, %s, is not made a part at a time)",
+                self._tfdist_path, self._tfdist_parts[0][0].device, len(self._tfdist_parts),
+                type(initializer).__name__ if initializer is not None else "a function")
+        return make_rows
 
     def claim(self, runs):
         """A new run, on its chief, before `initialize` writes it: each part's owner names
@@ -418,8 +442,9 @@ class TableVariable(_tf_compat.BaseResourceVariable):
         self._tfdist_written = set()
 
     def _write_parts(self, value, parts):
-        """Writes `value` (the whole table: a NumPy array, or a tensor on some device) into
-        `parts`, in chunks of at most `CHUNK_BYTES`."""
+        """Writes `value` (the whole table: a NumPy array, a tensor on some device, or a
+        function `(begin, end) -> rows` run on each part's device) into `parts`, in chunks
+        of at most `CHUNK_BYTES`."""
         with tf.init_scope():
             for master, _ in parts:
                 if not variables_lib.is_initialized(master):
@@ -430,6 +455,9 @@ class TableVariable(_tf_compat.BaseResourceVariable):
                 rows = tf.range(begin - offset, end - offset, dtype=tf.int64)
                 if isinstance(value, np.ndarray):
                     chunk = tf.constant(value[begin:end])
+                elif callable(value):
+                    with tf.device(master.device):
+                        chunk = value(begin, end)
                 else:
                     with tf.device(value.device):
                         chunk = value[begin:end]
