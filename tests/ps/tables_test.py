@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from tfdist import _tf_compat
 from tfdist.ps import protocol
+from tfdist.ps import table_init
 from tfdist.ps import table_set
 from tfdist.ps import tables
 from tfdist.ps import variables
@@ -383,21 +384,23 @@ class TableVariableTest(tf.test.TestCase):
             created.append(callable(value))
             return real_write(table, value, parts)
 
+        uniform = keras.initializers.RandomUniform(-0.1, 0.1, seed=7)
         with mock.patch.object(tables.TableVariable, "_write_parts", write_parts), \
-                mock.patch.object(tables, "CHUNK_BYTES", 5 * WIDTH * 4):
-            first, second = self._split_variable(
-                keras.initializers.RandomUniform(-0.1, 0.1, seed=7))
-            again = self._split_variable(keras.initializers.RandomUniform(-0.1, 0.1, seed=7))
+                mock.patch.object(tables, "CHUNK_BYTES", 5 * WIDTH * 4), \
+                mock.patch.object(table_init, "BLOCK_ROWS", 8):
+            values = np.concatenate(self._split_variable(uniform))
+            # A seed gives one table, whatever the split and the chunks.
+            other_split = np.concatenate(self._split_variable(uniform, ((0, 9), (9, ROWS))))
             constant = self._split_variable(keras.initializers.Constant(0.1))
             glorot = np.concatenate(self._split_variable(keras.initializers.GlorotUniform(3)))
-        self.assertEqual(created, [True] * 4)
-        # The same distribution, not the same numbers as one draw: every chunk its own.
-        values = np.concatenate([first, second])
+            other_seed = np.concatenate(self._split_variable(
+                keras.initializers.RandomUniform(-0.1, 0.1, seed=8)))
+        self.assertEqual(created, [True] * 5)
+        # The same distribution, not the same numbers as one draw; no row repeated.
         self.assertAllInRange(values, -0.1, 0.1)
-        chunks = values.reshape(-1, 5 * WIDTH)
-        self.assertLen(np.unique(chunks, axis=0), len(chunks))
-        # The same seed gives the same table (each chunk's seed is the seed and its row).
-        self.assertAllEqual(np.concatenate(again), values)
+        self.assertLen(np.unique(values, axis=0), ROWS)
+        self.assertAllEqual(other_split, values)
+        self.assertFalse(np.isin(other_seed, values).any())
         # A constant is exact; variance scaling takes the whole table's fans, not a part's.
         self.assertAllEqual(np.concatenate(constant), np.full([ROWS, WIDTH], 0.1, np.float32))
         limit = np.sqrt(6.0 / (ROWS + WIDTH))
@@ -405,13 +408,20 @@ class TableVariableTest(tf.test.TestCase):
         self.assertGreater(np.abs(glorot).max(), 0.8 * limit)
 
     def test_a_split_table_of_another_initializer_is_made_whole_as_keras_makes_it(self):
-        initializer = keras.initializers.Orthogonal(seed=5)
-        parts = self._split_variable(initializer)
-        self.assertAllClose(np.concatenate(parts), initializer((ROWS, WIDTH)))
-        # A table of one part takes the value as Keras makes it, seeded or not.
-        uniform = keras.initializers.RandomUniform(seed=11)
-        whole = self._split_variable(uniform, splits=((0, ROWS),))
-        self.assertAllEqual(whole[0], uniform((ROWS, WIDTH)))
+        class Shifted(keras.initializers.RandomNormal):
+            def __call__(self, shape, dtype=None):
+                return super().__call__(shape, dtype) + 100.0
+
+        matrix = np.arange(ROWS * WIDTH, dtype=np.float32).reshape(ROWS, WIDTH)
+        for initializer, splits in (
+                (keras.initializers.Orthogonal(seed=5), ((0, 15), (15, ROWS))),
+                (Shifted(seed=2), ((0, 15), (15, ROWS))),     # its own values, as Keras's
+                (keras.initializers.Constant(matrix), ((0, 15), (15, ROWS))),
+                (keras.initializers.RandomUniform(seed=11), ((0, ROWS),))):  # one part
+            parts = self._split_variable(initializer, splits)
+            self.assertAllClose(np.concatenate(parts), initializer((ROWS, WIDTH)))
+        self.assertIsNone(table_init.rows_initializer(
+            keras.initializers.RandomUniform(0, 10, seed=1), [ROWS, WIDTH], tf.int32))
 
     def test_join_s_snapshot_of_the_mirrors_copies_no_table(self):
         # `join()` reads the masters of the mirrors only: its snapshot of a shard leaves the

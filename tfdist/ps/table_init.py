@@ -3,16 +3,19 @@
 A Keras initializer makes a variable's whole value in one tensor. For a table split over
 several ps tasks that tensor would sit, whole, on one of them while each part took its rows
 from it: a table larger than one ps task could not be split over more of them. Where the
-initializer draws every element independently (the constant ones, the random uniform,
-normal and truncated normal ones, and the variance-scaling family, whose scale follows the
-whole table's shape), `rows_initializer` gives a function that makes any range of rows alone,
-run on the part's own ps task.
+initializer draws every element independently, `rows_initializer` gives a function that makes
+any range of rows alone, run on the part's own ps task: Keras's own `Zeros`, `Ones` and a
+scalar `Constant` (exact), and, for a floating table with an int seed (Keras draws one when
+none is given), `RandomUniform`, `RandomNormal`, `TruncatedNormal` and the variance-scaling
+family (Glorot, He, LeCun), whose scale follows the whole table's shape. A subclass that
+makes its values its own way, a `Constant` of an array, a `SeedGenerator` seed, an integer
+table and any other initializer give None: the value is then made whole, as Keras makes it.
 
-A random initializer's rows then come from the same distribution as its one-tensor draw, not
-the same numbers: each chunk draws with a seed of its own, made from the initializer's seed
-and the chunk's first row (an initializer with a `SeedGenerator` draws from it chunk after
-chunk). TF's own `ParameterServerStrategy` initializes a partitioned variable shard by shard
-alike. Any other initializer (`Orthogonal`, `Identity`, a function of your own) gives None.
+A random initializer's rows come from the same distribution as its one-tensor draw, not the
+same numbers: rows are drawn in fixed blocks of `BLOCK_ROWS`, each with TF's stateless random
+ops seeded by `[seed, block]`, so a seed gives one table whatever its split over ps tasks and
+its chunks, and two seeds never share a block's stream. TF's own `ParameterServerStrategy`
+also makes a partitioned variable shard by shard.
 """
 
 import math
@@ -22,22 +25,15 @@ import tensorflow as tf
 
 from tfdist import _tf_compat
 
+BLOCK_ROWS = 4096  # rows drawn with one seed: the table does not depend on its split
 # Keras's variance-scaling initializers divide by at least 1 (`VarianceScaling.__call__`).
 _MIN_FAN = 1.0
+_TRUNCATED_STDDEV = 0.87962566103423978  # Keras's truncated-normal correction
 
 
-def _constant(initializer):
-    return isinstance(initializer, (keras.initializers.Zeros, keras.initializers.Ones,
-                                    keras.initializers.Constant))
-
-
-def _chunk_seed(initializer, begin):
-    """The seed of the chunk that starts at row `begin`."""
-    seed = initializer.seed
-    if isinstance(seed, int):
-        # (A deterministic stream per chunk: the same seed gives the same table.)
-        return (seed * 1_000_003 + begin) % (2**31 - 1)
-    return seed  # a SeedGenerator: its next draw
+def _own_call(initializer, base):
+    """Whether `initializer` is a `base` that makes its values as `base` does."""
+    return isinstance(initializer, base) and type(initializer).__call__ is base.__call__
 
 
 def _variance_scaling(initializer, shape):
@@ -52,50 +48,63 @@ def _variance_scaling(initializer, shape):
     else:
         scale /= max(_MIN_FAN, (fan_in + fan_out) / 2.0)
     if initializer.distribution == "truncated_normal":
-        return "truncated_normal", math.sqrt(scale) / 0.87962566103423978
+        return "truncated_normal", 0.0, math.sqrt(scale) / _TRUNCATED_STDDEV
     if initializer.distribution == "untruncated_normal":
-        return "normal", math.sqrt(scale)
-    return "uniform", math.sqrt(3.0 * scale)
+        return "normal", 0.0, math.sqrt(scale)
+    limit = math.sqrt(3.0 * scale)
+    return "uniform", -limit, limit
+
+
+def _distribution(initializer, shape):
+    """`(name, a, b)` of a random initializer tfdist can draw by blocks (uniform: min, max;
+    normal, truncated normal: mean, stddev), or None."""
+    if _own_call(initializer, keras.initializers.VarianceScaling):
+        return _variance_scaling(initializer, shape)
+    if _own_call(initializer, keras.initializers.RandomUniform):
+        return "uniform", initializer.minval, initializer.maxval
+    if _own_call(initializer, keras.initializers.RandomNormal):
+        return "normal", initializer.mean, initializer.stddev
+    if _own_call(initializer, keras.initializers.TruncatedNormal):
+        return "truncated_normal", initializer.mean, initializer.stddev
+    return None
+
+
+def _draw(name, a, b, shape, seed, dtype):
+    if name == "uniform":
+        return tf.random.stateless_uniform(shape, seed, minval=a, maxval=b, dtype=dtype)
+    draw = (tf.random.stateless_normal if name == "normal"
+            else tf.random.stateless_truncated_normal)
+    return draw(shape, seed, mean=a, stddev=b, dtype=dtype)
 
 
 def rows_initializer(initializer, shape, dtype):
     """`make(begin, end)`: the initial rows `begin:end` of a table of `shape` that Keras
-    initializer `initializer` initializes, or None if its elements are not independent draws
-    (then only its whole value is its value)."""
+    initializer `initializer` initializes, or None where only its whole value is its value
+    (see the module's docstring)."""
     shape = [int(n) for n in shape]
     dtype = tf.as_dtype(dtype)
-
-    def rows_shape(begin, end):
-        return [end - begin, *shape[1:]]
-
-    if _constant(initializer):
+    width = shape[1:]
+    constant = (_own_call(initializer, keras.initializers.Zeros)
+                or _own_call(initializer, keras.initializers.Ones)
+                or (_own_call(initializer, keras.initializers.Constant)
+                    and tf.convert_to_tensor(initializer.value).shape.rank == 0))
+    if constant:
         return lambda begin, end: tf.convert_to_tensor(
-            initializer(rows_shape(begin, end), dtype=dtype.name), dtype)
-    random = keras.random
-    if isinstance(initializer, keras.initializers.VarianceScaling):
-        distribution, size = _variance_scaling(initializer, shape)
-
-        def draw(begin, end):
-            seed = _chunk_seed(initializer, begin)
-            if distribution == "uniform":
-                return random.uniform(rows_shape(begin, end), minval=-size, maxval=size,
-                                      dtype=dtype.name, seed=seed)
-            return getattr(random, distribution)(rows_shape(begin, end), mean=0.0,
-                                                 stddev=size, dtype=dtype.name, seed=seed)
-    elif isinstance(initializer, keras.initializers.RandomUniform):
-        def draw(begin, end):
-            return random.uniform(rows_shape(begin, end), minval=initializer.minval,
-                                  maxval=initializer.maxval, dtype=dtype.name,
-                                  seed=_chunk_seed(initializer, begin))
-    elif isinstance(initializer, (keras.initializers.RandomNormal,
-                                  keras.initializers.TruncatedNormal)):
-        name = ("truncated_normal" if isinstance(initializer, keras.initializers.TruncatedNormal)
-                else "normal")
-
-        def draw(begin, end):
-            return getattr(random, name)(rows_shape(begin, end), mean=initializer.mean,
-                                         stddev=initializer.stddev, dtype=dtype.name,
-                                         seed=_chunk_seed(initializer, begin))
-    else:
+            initializer([end - begin, *width], dtype=dtype.name), dtype)
+    distribution = _distribution(initializer, shape)
+    seed = getattr(initializer, "seed", None)
+    if distribution is None or not dtype.is_floating or not isinstance(seed, int):
         return None
-    return lambda begin, end: tf.convert_to_tensor(draw(begin, end), dtype)
+    name, a, b = distribution
+
+    def make(begin, end):
+        blocks = []
+        for block in range(begin // BLOCK_ROWS, (end - 1) // BLOCK_ROWS + 1):
+            first = block * BLOCK_ROWS
+            rows = min(BLOCK_ROWS, shape[0] - first)
+            value = _draw(name, a, b, [rows, *width], tf.constant([seed, block], tf.int64),
+                          dtype)
+            blocks.append(value[max(begin, first) - first:min(end, first + rows) - first])
+        return tf.concat(blocks, axis=0) if len(blocks) > 1 else blocks[0]
+
+    return make
