@@ -380,8 +380,16 @@ class TableVariableTest(tf.test.TestCase):
         created = []
         real_write = tables.TableVariable._write_parts
 
+        devices = {}
+
         def write_parts(table, value, parts):
             created.append(callable(value))
+            if callable(value):
+                def make(begin, end, make=value):
+                    rows = make(begin, end)
+                    devices[begin] = rows.device[-5:]
+                    return rows
+                return real_write(table, make, parts)
             return real_write(table, value, parts)
 
         uniform = keras.initializers.RandomUniform(-0.1, 0.1, seed=7)
@@ -396,6 +404,10 @@ class TableVariableTest(tf.test.TestCase):
             other_seed = np.concatenate(self._split_variable(
                 keras.initializers.RandomUniform(-0.1, 0.1, seed=8)))
         self.assertEqual(created, [True] * 5)
+        # Each chunk made on the device of its part (rows 0-14 on CPU:0, 15-29 on CPU:1).
+        self.assertEqual({b: devices[b] for b in (0, 5, 10, 15, 20, 25)},
+                         {0: "CPU:0", 5: "CPU:0", 10: "CPU:0",
+                          15: "CPU:1", 20: "CPU:1", 25: "CPU:1"})
         # The same distribution, not the same numbers as one draw; no row repeated.
         self.assertAllInRange(values, -0.1, 0.1)
         self.assertLen(np.unique(values, axis=0), ROWS)

@@ -28,7 +28,7 @@ from tfdist import _tf_compat
 BLOCK_ROWS = 4096  # rows drawn with one seed: the table does not depend on its split
 # Keras's variance-scaling initializers divide by at least 1 (`VarianceScaling.__call__`).
 _MIN_FAN = 1.0
-_TRUNCATED_STDDEV = 0.87962566103423978  # Keras's truncated-normal correction
+_TRUNCATION_CORRECTION = 0.87962566103423978  # Keras's stddev of a truncated unit normal
 
 
 def _own_call(initializer, base):
@@ -48,7 +48,7 @@ def _variance_scaling(initializer, shape):
     else:
         scale /= max(_MIN_FAN, (fan_in + fan_out) / 2.0)
     if initializer.distribution == "truncated_normal":
-        return "truncated_normal", 0.0, math.sqrt(scale) / _TRUNCATED_STDDEV
+        return "truncated_normal", 0.0, math.sqrt(scale) / _TRUNCATION_CORRECTION
     if initializer.distribution == "untruncated_normal":
         return "normal", 0.0, math.sqrt(scale)
     limit = math.sqrt(3.0 * scale)
