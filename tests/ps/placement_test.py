@@ -1,12 +1,14 @@
 """Placement of master variables on ps tasks: whole, or split by rows; mirrors of split masters."""
 
 import random
+import types
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfdist.ps import placement
+from tfdist.ps import table_set
 from tfdist.ps.spec import ShardSpec
 from tfdist.ps.variables import MirrorVariable
 from tfdist.ps.variables import replica_step
@@ -103,6 +105,33 @@ class PlanTest(tf.test.TestCase):
         with self.assertRaisesRegex(ValueError, r"`variable_partitioner` must be"):
             placement.check_partitioner(partitioners.FixedShardsPartitioner)  # not an instance
 
+    def test_embedding_tables_split_as_other_variables_and_balance_by_bytes(self):
+        # A table's parts (`TableSet.parts_of`): "auto" splits a table into parts of at
+        # least 256 KiB (the recommendation benchmark's 1 M x 16 and 100 k x 16 tables), and
+        # keeps a smaller one (its 1,000 x 16; 4,096 x 16 is 256 KiB) whole on the least
+        # loaded task; the dense plan starts from the tables' bytes.
+        connection = types.SimpleNamespace(num_ps=2)
+        tables = table_set.TableSet(table_set.TableRule(), connection, 10.0)
+        self.assertEqual(tables.parts_of("a", [1_000_000, 16], "float32"),
+                         [(0, (0, 500_000)), (1, (500_000, 1_000_000))])
+        self.assertEqual(tables.parts_of("b", [100_000, 16], "float32"),
+                         [(0, (0, 50_000)), (1, (50_000, 100_000))])
+        self.assertEqual(tables.parts_of("c", [1_000, 16], "float32"), [(0, (0, 1_000))])
+        self.assertEqual(tables.parts_of("d", [4_096, 16], "float32"), [(1, (0, 4_096))])
+        self.assertEqual(tables.held(), [35_264_000, 35_462_144])
+        plan = placement.plan(items(), 2, held=[10**6, 0])
+        self.assertEqual(plan["dense/kernel"], [(1, (0, 32)), (0, (32, 64))])
+        self.assertEqual(plan["dense/bias"], [(1, None)])
+        # A partitioner decides per table; None keeps every table whole.
+        partitioners = tf.distribute.experimental.partitioners
+        fixed = table_set.TableSet(table_set.TableRule(), connection, 10.0,
+                                   partitioners.FixedShardsPartitioner(2))
+        self.assertEqual(fixed.parts_of("e", [48, 4], "float32"), [(0, (0, 24)), (1, (24, 48))])
+        whole = table_set.TableSet(table_set.TableRule(), connection, 10.0, None)
+        self.assertEqual(whole.parts_of("f", [1_000_000, 16], "float32"),
+                         [(0, (0, 1_000_000))])
+        self.assertEqual(whole.parts_of("g", [1_000, 16], "float32"), [(1, (0, 1_000))])
+
     def test_specs_that_place_a_variable_differently_do_not_fit(self):
         entry = {"path": "dense/kernel", "shape": [32, 64], "dtype": "float32",
                  "role": "gradient", "rows": [0, 32]}
@@ -121,6 +150,15 @@ class PlanTest(tf.test.TestCase):
                          r"\(the same `variable_partitioner`")
         self.assertRegex(run.difference(spec(bias, entry)),
                          "in another order")
+        # A table this task holds and the run placed on another, and the other way round.
+        table = {"path": "e/embeddings", "shape": [48, 4], "dtype": "float32",
+                 "role": "table", "rows": [0, 48], "table": True}
+        self.assertRegex(run.difference(spec(entry, bias, table)),
+                         r"it has variable 'e/embeddings', which the run does not \(the same "
+                         r"`variable_partitioner`")
+        self.assertRegex(spec(entry, bias, table).difference(run),
+                         r"the run has variable 'e/embeddings', which it does not \(the same")
+        self.assertNotRegex(run.difference(spec(entry)), "variable_partitioner")
 
     def test_elementwise_optimizers(self):
         self.assertTrue(placement.elementwise_optimizer(keras.optimizers.Adam()))

@@ -1,6 +1,8 @@
 """The two pushes' decisions, in one process: the role of each new variable, what an update
 of a train step does, the logs' names, which optimizer a split must suit, the spec's fields."""
 
+import types
+
 import keras
 import tensorflow as tf
 
@@ -11,6 +13,7 @@ from tfdist.ps.model_push import ModelPush
 from tfdist.ps.outer_optimizer import outer_optimizer_config
 from tfdist.ps.push import GradientPush
 from tfdist.ps.push import check_split
+from tfdist.ps.push import check_table_updates
 from tfdist.ps.worker import _Step
 
 FLOAT = {"dtype": "float32"}
@@ -82,6 +85,28 @@ class GradientPushTest(tf.test.TestCase):
             check_split(push, tf.distribute.experimental.partitioners.FixedShardsPartitioner(2))
         push.optimizer = keras.optimizers.Adam()
         self.assertTrue(check_split(push, placement.AUTO))
+
+    def test_the_tables_updates_need_a_fitting_optimizer(self):
+        # Lazy updates need a row-local optimizer; a table split over ps tasks, an
+        # elementwise one (each task applies it to its part); a whole table, any one with
+        # `embedding_updates="dense"`.
+        whole = types.SimpleNamespace(_tfdist_path="m/whole", parts=[("ps0", (0, 8))])
+        split = types.SimpleNamespace(_tfdist_path="m/split",
+                                      parts=[("ps0", (0, 4)), ("ps1", (4, 8))])
+
+        def check(optimizer, updates, *tables):
+            check_table_updates(optimizer, types.SimpleNamespace(tables=list(tables),
+                                                                 updates=updates))
+
+        check(keras.optimizers.Adagrad(), "lazy", whole, split)
+        check(keras.optimizers.Lamb(), "dense", whole)
+        check(keras.optimizers.Lamb(), "lazy")  # no table
+        with self.assertRaisesRegex(ValueError, r"lazy\) updates of the embedding tables "
+                                                r"\['m/whole'\].*Received: Lamb"):
+            check(keras.optimizers.Lamb(), "lazy", whole)
+        with self.assertRaisesRegex(ValueError, r"tables \['m/split'\] are split .* apply "
+                                                r"Lamb .*`variable_partitioner=None`"):
+            check(keras.optimizers.Lamb(), "dense", whole, split)
 
 
 class ModelPushTest(tf.test.TestCase):

@@ -63,6 +63,26 @@ class TableVariableTest(tf.test.TestCase):
             self.assertAllEqual(table.sparse_read(ids), value[ids])
             self.assertAllEqual(tf.function(table.sparse_read)(ids), value[ids])
 
+    def test_a_repeated_id_crosses_once(self):
+        # The ids sent to each part's gather, and the bytes a step's lookups moved, count
+        # each distinct id once (two lookups of one row: twice).
+        table, value = _table()
+        sent = []
+        gather = tf.raw_ops.ResourceGather
+
+        def counting(**kwargs):
+            sent.append(kwargs["indices"].numpy().tolist())
+            return gather(**kwargs)
+
+        with tables.step_lookups(), mock.patch.object(tf.raw_ops, "ResourceGather", counting):
+            rows = table.sparse_read([[5, 17, 5], [17, 5, 29]])
+            table.sparse_read([5])
+            moved = tables.take_read_bytes()
+        self.assertAllEqual(rows, value[[[5, 17, 5], [17, 5, 29]]])
+        # Part 1 holds rows 0-11, part 2 rows 12-29 (ids 17 and 29 are its 5 and 17).
+        self.assertEqual(sorted(sent), [[], [5], [5], [5, 17]])
+        self.assertEqual(int(moved), 4 * (4 + 4 * WIDTH))
+
     def test_only_rows_cross_to_the_worker_in_a_traced_lookup(self):
         table, _ = _table()
         graph = tf.function(table.sparse_read).get_concrete_function(
@@ -83,13 +103,15 @@ class TableVariableTest(tf.test.TestCase):
 
         grad = gradient()
         self.assertIsInstance(grad, tf.IndexedSlices)
+        self.assertAllEqual(grad.indices, [3, 17])  # a repeated id's rows summed: one row
         expected = np.zeros_like(value)
         np.add.at(expected, ids.numpy(), 2 * value[ids.numpy()])
         self.assertAllEqual(tf.convert_to_tensor(grad), expected)
 
     def test_a_step_that_records_lookups_hands_the_rows_it_read_to_its_push(self):
         # Delay compensation per row: the push of a step carries the rows its lookups read
-        # (ids and values, a row read twice there twice), once, also from inside a branch
+        # (ids and values, each lookup's distinct ids once: a row two lookups read there
+        # twice), once, also from inside a branch
         # (a LossScaleOptimizer pushes inside a `tf.cond`); outside a step nothing is kept.
         table, value = _table()
         table.record_lookups()
@@ -109,7 +131,7 @@ class TableVariableTest(tf.test.TestCase):
                 again = table.take_lookups()
             return rows, ids, values, tf.size(again.indices)
 
-        _, ids, rows, again = step(tf.constant([[3, 17]]), tf.constant([[17, 29]]),
+        _, ids, rows, again = step(tf.constant([[3, 17], [17, 3]]), tf.constant([[17, 29]]),
                                    tf.constant(True))
         self.assertAllEqual(ids, [3, 17, 17, 29])
         self.assertAllEqual(rows, value[[3, 17, 17, 29]])
@@ -148,7 +170,8 @@ class TableVariableTest(tf.test.TestCase):
         rows, grad = step()
         self.assertAllEqual(rows, before[ids])
         self.assertIsInstance(grad, tf.IndexedSlices)
-        self.assertAllEqual(sorted(grad.indices.numpy()), [1, 20, 20, 29])
+        self.assertAllEqual(grad.indices, [1, 20, 29])  # id 20's two rows summed: one
+        self.assertAllEqual(grad.values, [[1.0] * WIDTH, [2.0] * WIDTH, [1.0] * WIDTH])
         graph = step.get_concrete_function().graph
         self.assertEmpty([op for op in graph.get_operations() if op.type == "GatherV2"
                           and op.inputs[0].shape.as_list() == [ROWS, WIDTH]])
@@ -255,6 +278,18 @@ class TableVariableTest(tf.test.TestCase):
         plain = tf.Variable(tf.zeros([ROWS, WIDTH]))
         tf.train.Checkpoint(table=plain).read(path).assert_consumed()
         self.assertAllEqual(plain.numpy(), value)
+
+    def test_a_checkpoint_restores_into_another_split(self):
+        # A table saved split restores whole and the other way round (another
+        # `variable_partitioner` or number of ps tasks, or a table grown past 256 KiB).
+        for saved, restored in ((((0, 12), (12, ROWS)), ((0, ROWS),)),
+                                (((0, ROWS),), ((0, 10), (10, 20), (20, ROWS)))):
+            table, value = _table(saved)
+            path = tf.train.Checkpoint(table=table).write(
+                os.path.join(self.get_temp_dir(), f"ckpt{len(saved)}"))
+            other, _ = _table(restored, value=np.zeros_like(value))
+            tf.train.Checkpoint(table=other).read(path).assert_consumed()
+            self.assertAllEqual(other.numpy(), value)
 
     def test_a_follower_ignores_writes_and_in_step_writes_are_refused(self):
         table, value = _table()

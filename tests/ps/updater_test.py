@@ -942,23 +942,24 @@ class WireBytesTest(tf.test.TestCase):
                                             [(DEVICE, (0, 6))])
         engine._tables = table_set.TableSet(table_set.TableRule(), None, 10.0)
         engine._tables.tables, engine._tables.parts = [table], [[Part(table, (0, 6))]]
-        # A batch of 3 examples of 2 ids each, some repeated: every id is looked up (and its
-        # row's gradient pushed) as it comes.
+        # A batch of 3 examples of 2 ids each, some repeated: each distinct id is looked up
+        # once, and the push carries one gradient row for it (its positions' sum).
         batch = np.array([[5, 3], [5, 0], [1, 5]], np.int32)
 
         @tf.function
         def step():
             with tables.step_lookups():
-                rows = table.sparse_read(batch)  # the forward pass: one gather on the ps
-                gradient = tf.IndexedSlices(tf.reshape(rows, [-1, 2]),
-                                            tf.reshape(tf.cast(batch, tf.int64), [-1]))
+                with tf.GradientTape() as tape:
+                    rows = table.sparse_read(batch)  # the forward pass: one gather on the ps
+                    loss = tf.reduce_sum(rows * rows) / 2  # each position's gradient: its row
+                gradient = tape.gradient(loss, table)
                 engine._exchange(lambda part: gradient if part.variable is table
                                  else tf.constant([1.0, -1.0]))
 
         serve_steps(shard, [StartedStep(step)], required=1)
-        ids, row_bytes = batch.size, 2 * 4
-        reads = ids * (batch.itemsize + row_bytes)          # ids out, rows back
-        pushed = ids * (8 + row_bytes) + 2 * 8              # int64 ids and rows, 2 sizes
+        distinct, row_bytes = len(np.unique(batch)), 2 * 4
+        reads = distinct * (batch.itemsize + row_bytes)     # ids out, rows back
+        pushed = distinct * (8 + row_bytes) + 2 * 8         # int64 ids and rows, 2 sizes
         header = 16 + 8 * (2 + protocol.num_stats(2))       # tag, rank; token, flag, stats
         reply = 4 * 2                                       # the dense part (no table)
         logs = engine._codec.logs(engine._layouts)

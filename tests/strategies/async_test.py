@@ -120,16 +120,17 @@ class AsyncTrainingTest(tf.test.TestCase):
 
     def test_wait_mode_keeps_workers_within_the_bound_of_the_slowest(self):
         # SSP with delay compensation, on a model whose embedding table lives on the ps
-        # tasks, split over 2: each push to each task also carries the rows its step read
-        # there, and each task compensates its rows (the rule itself:
-        # tests/ps/updater_test.py).
+        # tasks, split over 2 (`ps_program.split_table`): each push to each task also
+        # carries the rows its step read there, and each task compensates its rows (the rule
+        # itself: tests/ps/updater_test.py).
         out = self.get_temp_dir()
         bound = 1
         cluster, result = run_cluster(out, 3, "--strategy=async", "--model=embedding",
                                       f"--strategy_arg=max_staleness={bound}",
                                       "--strategy_arg=on_stale='wait'", "--epochs=3",
                                       "--strategy_arg=delay_compensation=0.5",
-                                      "--slow_rank=2", "--slow_delay=0.1", num_ps=2)
+                                      "--slow_rank=2", "--slow_delay=0.1", "--split_table",
+                                      num_ps=2)
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         chief = load_result(out, "worker0.json")
         self.assertLessEqual(chief["max_clock_gap"], bound)

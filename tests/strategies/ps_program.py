@@ -67,8 +67,19 @@ flags.DEFINE_bool("chief_early_stopping", False, "The chief trains with "
                   "writes its best epoch's weights at the end of its fit.")
 flags.DEFINE_bool("chief_halves", False, "equivalence: only the chief's callback halves the "
                   "learning rate (a `ReduceLROnPlateau` watching the chief's logs).")
+flags.DEFINE_bool("split_table", False, "--model=embedding: the table (768 bytes, whole "
+                  "under `variable_partitioner='auto'`) in one part per ps task "
+                  "(`split_table`), every other variable whole.")
 
 ROWS, BATCH = 128, 16
+TABLE_SHAPE = (48, 4)
+
+
+def split_table(shape, dtype):
+    """A `variable_partitioner`: the embedding table in as many parts as there are ps tasks
+    (tfdist caps a partitioner's parts at that), anything else whole."""
+    del dtype
+    return [64 if tuple(shape) == TABLE_SHAPE else 1] + [1] * (len(shape) - 1)
 
 
 def data(model="mlp"):
@@ -97,7 +108,7 @@ def build_model(optimizer, steps_per_execution=1, model="mlp"):
     keras.utils.set_random_seed(1)
     constraint = keras.constraints.MaxNorm(0.5) if optimizer == "adamw" else None
     if model in ("embedding", "dense_lookup"):
-        lookup = keras.layers.Embedding(48, 4) if model == "embedding" else DenseLookup()
+        lookup = keras.layers.Embedding(*TABLE_SHAPE) if model == "embedding" else DenseLookup()
         model = keras.Sequential([keras.Input((8,), dtype="int32"), lookup,
                                   keras.layers.Flatten(),
                                   keras.layers.Dense(2, activation="softmax")])
@@ -304,6 +315,8 @@ def main(argv):
         return  # worker 1 never starts: no server, no hello
     if FLAGS.frozen:
         overrides["staleness"] = ps_functions.frozen
+    if FLAGS.split_table:
+        overrides["variable_partitioner"] = split_table
     strategy = tfdist.strategies.from_flags(**overrides)
     rank = strategy.worker_index
     with strategy.scope():

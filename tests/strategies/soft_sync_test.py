@@ -83,14 +83,15 @@ class EmbeddingTest(tf.test.TestCase):
 
     def test_a_table_lives_on_the_ps_split_and_is_updated_densely_on_request(self):
         # Adam, hard sync, 2 workers, 2 ps tasks: the 48-row table lives on the ps tasks only
-        # (24 / 24 rows), each push carries only the rows its batch touches, and with
-        # `embedding_updates="dense"` the ps applies Adam to every row. The weights are
+        # (24 / 24 rows: a partitioner splits it, `ps_program.split_table`), each push
+        # carries only the rows its batch touches, and with `embedding_updates="dense"` the
+        # ps applies Adam to every row. The weights are
         # those of one process on the combined batches, whose table takes a dense gradient
         # (`ps_program.DenseLookup`: Keras's own Adam treats a sparse gradient's repeated
         # rows differently).
         out = self.get_temp_dir()
         cluster, result = run_cluster(out, 2, "--scenario=equivalence", "--epochs=3",
-                                      "--optimizer=adam", "--model=embedding",
+                                      "--optimizer=adam", "--model=embedding", "--split_table",
                                       "--strategy_arg=embedding_updates=dense", num_ps=2)
         self.assertEqual(result.returncode, 0, cluster_log(cluster))
         chief = load_result(out, "worker0.json")
@@ -107,13 +108,16 @@ class EmbeddingTest(tf.test.TestCase):
 
     def test_a_table_trains_lazily_resumes_from_a_backup_and_reloads_in_plain_keras(self):
         # SGD, hard sync, 2 workers, 2 ps tasks, the table's rows updated lazily (exact for
-        # SGD). The chief dies after epoch 1; a new cluster (new, empty ps tasks) resumes
-        # from the backups: the chief writes its table to the ps before the run starts. The
-        # result is one process's on the combined batches, and the chief's ModelCheckpoint
-        # loads into a plain Keras model.
+        # SGD), split over the ps tasks (`ps_program.split_table`). The chief dies after
+        # epoch 1; a new cluster (new, empty ps tasks) resumes from the backups with the
+        # table whole on the first ps task (768 bytes: `variable_partitioner="auto"` keeps a
+        # table under 512 KiB whole): the chief writes the table it restored to the ps before
+        # the run starts. The result is one process's on the combined batches, and the
+        # chief's ModelCheckpoint loads into a plain Keras model.
         out = self.get_temp_dir()
         flags = ["--scenario=checkpoint", "--epochs=4", "--optimizer=sgd", "--model=embedding"]
-        with make_cluster(out, 2, *flags, "--crash_after_epoch=1", num_ps=2) as cluster:
+        with make_cluster(out, 2, *flags, "--crash_after_epoch=1", "--split_table",
+                          num_ps=2) as cluster:
             crashed = cluster.wait()
         self.assertEqual(crashed.failed_task, "worker:0", cluster_log(cluster))
         with make_cluster(out, 2, *flags, num_ps=2) as cluster:
@@ -123,7 +127,9 @@ class EmbeddingTest(tf.test.TestCase):
         steps_per_epoch = ps_program.ROWS // 2 // ps_program.BATCH
         self.assertEqual(chief["history"]["global_step"],
                          [3 * steps_per_epoch, 4 * steps_per_epoch])
-        self.assertEqual(chief["tables_pushed"], [1, 1])
+        self.assertEqual(chief["tables_pushed"], [1, 0])
+        self.assertEqual([task["variables"].get("sequential/embedding/embeddings", "none")
+                          for task in chief["placement"]], [None, "none"])
         self.assertIn("/job:ps/replica:0/task:0/device:CPU:0", chief["devices"])
         reference = one_process_reference(out, "sgd", 4, model="embedding")
         for got, want in zip(chief["weights"], reference):

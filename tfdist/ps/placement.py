@@ -85,7 +85,10 @@ class Item:
         self.bytes = nbytes(self.shape, self.dtype)
 
 
-def _parts_wanted(item, num_ps, partitioner, threshold):
+def parts_wanted(item, num_ps, partitioner, threshold):
+    """How many parts `item` goes in: 1 if it is not splittable, there is one ps task or
+    no partitioner; with "auto", about `threshold` bytes each; else what the partitioner
+    says for its first axis. At most one part per ps task and per row."""
     if not item.splittable or num_ps < 2 or partitioner is None:
         return 1
     if partitioner == AUTO:
@@ -102,11 +105,12 @@ def _parts_wanted(item, num_ps, partitioner, threshold):
     return max(1, min(wanted, num_ps, item.shape[0]))
 
 
-def plan(items, num_ps, partitioner=AUTO):
+def plan(items, num_ps, partitioner=AUTO, held=None):
     """Places `items` on `num_ps` ps tasks.
 
     Independent variables go largest first, each part to the ps task holding the fewest
-    bytes so far (the parts of one variable to distinct tasks); a colocated variable of the
+    bytes so far (`held`: what each task holds already, the embedding tables' rows; the
+    parts of one variable to distinct tasks); a colocated variable of the
     same shape is split as the one it follows, else it goes whole with that one's first part.
 
     Returns:
@@ -119,10 +123,10 @@ def plan(items, num_ps, partitioner=AUTO):
     total = sum(i.bytes for i in independent)
     threshold = min(AUTO_MIN_SHARD_BYTES,
                     max(AUTO_FLOOR_BYTES, total // (4 * max(num_ps, 1))))
-    held = [0] * num_ps
+    held = list(held) if held is not None else [0] * num_ps
     placed = {}
     for item in sorted(independent, key=lambda i: (-i.bytes, i.key)):
-        parts = _parts_wanted(item, num_ps, partitioner, threshold)
+        parts = parts_wanted(item, num_ps, partitioner, threshold)
         tasks = sorted(range(num_ps), key=lambda t: (held[t], t))[:parts]
         if parts == 1:
             placed[item.key] = [(tasks[0], None)]

@@ -275,14 +275,7 @@ class GradientPush(Push):
                 if id(variable) in sparse:
                     fields[id(variable)]["sparse"] = True
         tables = self.engine._tables
-        if tables.tables and tables.updates == "lazy" and not rowwise_optimizer(self.optimizer):
-            inner = getattr(self.optimizer, "inner_optimizer", self.optimizer)
-            raise ValueError(
-                f"row-wise (lazy) updates of the embedding tables "
-                f"{[t._tfdist_path for t in tables.tables]} need an optimizer whose update of "
-                f"a row reads only that row: one of {sorted(ROWWISE_OPTIMIZERS)}. Received: "
-                f"{type(inner).__name__}. Pass `embedding_updates='dense'` (every row, every "
-                "update), or keep the tables on the workers (`embedding_tables=None`)")
+        check_table_updates(self.optimizer, tables)
         if tables.tables and isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer):
             log.warning(
                 "tfdist: Keras's LossScaleOptimizer checks every gradient for non-finite "
@@ -336,6 +329,30 @@ class GradientPush(Push):
 
     def rebuilt_optimizers(self):
         return [self.optimizer]
+
+
+def check_table_updates(optimizer, tables):
+    """Refuses an optimizer the ps tasks cannot apply to the embedding tables `tables` (a
+    `TableSet`) as asked: row-wise ("lazy") updates need a row-local one; a table split
+    over ps tasks, an elementwise one (each task applies it to its part alone)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if tables.tables and tables.updates == "lazy" and not rowwise_optimizer(optimizer):
+        raise ValueError(
+            f"row-wise (lazy) updates of the embedding tables "
+            f"{[t._tfdist_path for t in tables.tables]} need an optimizer whose update of "
+            f"a row reads only that row: one of {sorted(ROWWISE_OPTIMIZERS)}. Received: "
+            f"{type(inner).__name__}. Pass `embedding_updates='dense'` (every row, every "
+            "update), or keep the tables on the workers (`embedding_tables=None`)")
+    split = [t._tfdist_path for t in tables.tables if len(t.parts) > 1]
+    if split and not placement.elementwise_optimizer(optimizer):
+        raise ValueError(
+            f"the embedding tables {split} are split over ps tasks, and each task would "
+            f"apply {type(inner).__name__} to its part alone: exact only for an optimizer "
+            f"whose update is elementwise ({sorted(placement.ELEMENTWISE_OPTIMIZERS)}). "
+            "Tables are placed when they are made, before the optimizer is known, and "
+            "`variable_partitioner='auto'` splits every table of 512 KiB or more. Pass "
+            "`variable_partitioner=None` (every table whole on one ps task), or use one of "
+            "those optimizers")
 
 
 def check_split(push, partitioner):

@@ -35,6 +35,15 @@ _COMPARED_FIELDS = ("shape", "dtype", "role", "rows", "sparse", "outer", "table"
                     "read_rows")
 
 
+_PARTITIONER_HINT = " (the same `variable_partitioner` everywhere?)"
+
+
+def _placed(entry):
+    """The hint for a variable one ps task holds and another expects: a part of a split
+    variable, or a table (placed where it is made), goes where the partitioner says."""
+    return _PARTITIONER_HINT if entry.table or entry.rows is not None else ""
+
+
 @dataclasses.dataclass(frozen=True)
 class VariableEntry:
     """One master variable (or the rows `[begin, end)` of one) of a shard.
@@ -209,14 +218,14 @@ class ShardSpec:
         its = {e.path: e for e in other.variables}
         for path in sorted(set(runs) | set(its)):
             if path not in runs:
-                return f"it has variable {path!r}, which the run does not"
+                return f"it has variable {path!r}, which the run does not{_placed(its[path])}"
             if path not in its:
-                return f"the run has variable {path!r}, which it does not"
+                return (f"the run has variable {path!r}, which it does not"
+                        f"{_placed(runs[path])}")
             for field in _COMPARED_FIELDS:
                 mine, theirs = getattr(its[path], field), getattr(runs[path], field)
                 if mine != theirs:
-                    hint = (" (the same `variable_partitioner` everywhere?)"
-                            if field == "rows" else "")
+                    hint = _PARTITIONER_HINT if field == "rows" else ""
                     return (f"variable {path!r} has {field} {_shown(mine)}, in the run "
                             f"{_shown(theirs)}{hint}")
         if [e.path for e in other.variables] != [e.path for e in self.variables]:

@@ -106,12 +106,18 @@ class TableSet:
       rule: the `TableRule`.
       connection: the worker's `tfdist.ps.connection.PSConnection`.
       init_timeout: seconds a worker waits for the chief to write the tables.
+      partitioner: the strategy's `variable_partitioner` (`placement.check_partitioner`),
+        which splits tables as it splits other variables (`parts_of`).
     """
 
-    def __init__(self, rule, connection, init_timeout):
+    def __init__(self, rule, connection, init_timeout, partitioner=placement.AUTO):
         self.rule = rule
         self.connection = connection
         self.init_timeout = init_timeout
+        self.partitioner = partitioner
+        # The bytes of tables' rows (and their slots) each ps task holds so far: a table
+        # goes to the least loaded ones (`parts_of`).
+        self._held = None
         self.tables = []   # looked up by the model, trained on the ps
         self.slots = []    # the optimizer's state of a table: beside its rows
         self.parts = None  # per ps task, the `Part`s of the tables it holds, once joined
@@ -136,15 +142,16 @@ class TableSet:
         colocate_with = kwargs.get("colocate_with")
         if isinstance(colocate_with, TableVariable):
             # An optimizer's slot of a table: rows beside the table's, never on a worker.
+            path = new_path()
             shards = colocate_with._tfdist_shards
+            self._hold(shards, shape, dtype)
             role = protocol.OPTIMIZER
         elif self._named(keras_variable, shape, dtype, kwargs):
-            parts = min(self.connection.num_ps, shape[0])
-            shards = list(enumerate(placement.row_splits(shape[0], parts)))
+            path = new_path()
+            shards = self.parts_of(path, shape, dtype)
             role = protocol.TABLE
         else:
             return None
-        path = new_path()
         table = TableVariable.create(
             path, shape, dtype, [(self.connection.ps_devices[s], rows) for s, rows in shards],
             initial_value=kwargs.get("initial_value"), trainable=role == protocol.TABLE,
@@ -159,6 +166,48 @@ class TableSet:
         (self.tables if role == protocol.TABLE else self.slots).append(table)
         self._ready = False
         return table
+
+    def parts_of(self, path, shape, dtype):
+        """`[(ps index, (begin, end))]`: where the parts of a new table go.
+
+        With "auto", as TF's `MinSizePartitioner` of 256 KiB (TF's recommended minimum
+        shard, which users of its `ParameterServerStrategy` give it): parts of at least
+        256 KiB, one per ps task at most, so a table of less than 512 KiB stays whole (each
+        part costs a step one lookup message to its ps task: splitting a small table
+        balances nothing and adds messages). A partitioner decides per table, as for other
+        variables (`tfdist.ps.placement`); None keeps every table whole. A table is placed
+        when it is made, before the optimizer is known (`check_table_updates` refuses one
+        that cannot update a split table). The parts go to the ps tasks holding the fewest
+        table bytes so far (slots included), the first part to the least loaded; every
+        worker builds the same model in the same order, so places its tables alike.
+        """
+        num_ps = self.connection.num_ps
+        item = placement.Item(path, shape, dtype)
+        if self.partitioner == placement.AUTO:
+            parts = max(1, min(num_ps, shape[0],
+                               item.bytes // placement.AUTO_MIN_SHARD_BYTES))
+        else:
+            parts = placement.parts_wanted(item, num_ps, self.partitioner,
+                                           placement.AUTO_MIN_SHARD_BYTES)
+        held = self.held()
+        tasks = sorted(range(num_ps), key=lambda t: (held[t], t))[:parts]
+        shards = list(zip(tasks, placement.row_splits(shape[0], parts)))
+        self._hold(shards, shape, dtype)
+        return shards
+
+    def _hold(self, shards, shape, dtype):
+        """Counts the rows `shards` (`[(ps index, (begin, end))]`) of a variable of `shape`
+        and `dtype` as held by their ps tasks."""
+        if self._held is None:
+            self._held = [0] * self.connection.num_ps
+        size = placement.nbytes(shape, dtype)
+        for task, (begin, end) in shards:
+            self._held[task] += size * (end - begin) // shape[0]
+
+    def held(self):
+        """The bytes of the tables' rows and their slots on each ps task (the placement of
+        the other variables starts from them)."""
+        return list(self._held or [0] * self.connection.num_ps)
 
     @staticmethod
     def _being_made(kwargs):
@@ -283,6 +332,6 @@ class TableSet:
         return out
 
     def places(self):
-        """`(table, ps index, rows)` of every part."""
-        return [(table, shard, rows) for table in self.all()
-                for shard, rows in table._tfdist_shards]
+        """`(table, ps index, rows)` of every part (rows None: the table is whole there)."""
+        return [(table, shard, rows if len(table._tfdist_shards) > 1 else None)
+                for table in self.all() for shard, rows in table._tfdist_shards]

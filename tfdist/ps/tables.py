@@ -3,14 +3,15 @@
 A parameter server exists for models whose largest variables should not be copied to every
 worker: the embedding tables of recommendation and ranking models, of which a step touches a
 few thousand rows out of millions. A `TableVariable` is such a table as a worker's Keras model
-sees it: a variable of the table's full shape with no storage on the worker. Its rows are
-split over the ps tasks (each part a shared variable there, by a name every task derives from
-the table's Keras path and rows), and:
+sees it: a variable of the table's full shape with no storage on the worker. It lives whole
+on one ps task or split by rows over several (`tfdist.ps.table_set`), each part a shared
+variable there, by a name every task derives from the table's Keras path and rows; and:
 
 * a lookup (`tf.gather` / Keras's `ops.take`, which Keras's `Embedding` calls) runs one gather
   per part on that part's ps task, as TF's own `ParameterServerStrategy` does: only the rows
-  cross the network. Its gradient is the rows' gradients (`tf.IndexedSlices`), which the
-  worker pushes; the ps updates those rows (`tfdist.ps.rowwise`);
+  cross the network, each distinct one once. Its gradient is the rows' gradients
+  (`tf.IndexedSlices`, one summed row per distinct id), which the worker pushes; the ps
+  updates those rows (`tfdist.ps.rowwise`);
 * a read of the whole table inside a train, test or predict step is an error that names the
   table (`check_step_reads`): it would copy the table to the worker every step;
 * outside a step (saving a checkpoint, `get_weights`) the table is read in chunks of at most
@@ -80,9 +81,9 @@ def step_lookups():
 
 def take_read_bytes():
     """The bytes the lookups of the current step (`step_lookups`) moved, an int64 scalar:
-    each id sent to the ps task that holds its row, and the row back (a row read twice,
-    twice). Then forgets them. A lookup inside a `tf.cond` or loop of the model cannot be
-    reached from the push, and is left out."""
+    each distinct id of a lookup sent to the ps task that holds its row, and the row back
+    (a row two lookups read, twice). Then forgets them. A lookup inside a `tf.cond` or loop
+    of the model cannot be reached from the push, and is left out."""
     reads = getattr(_step, "reads", None) or []
     _step.reads = []
     reachable = [size for size in reads if _reachable(size)]
@@ -173,42 +174,54 @@ class TableVariable(_tf_compat.BaseResourceVariable):
     # Lookups ------------------------------------------------------------------------------
 
     def sparse_read(self, indices, name=None):
-        """The rows `indices` (any shape), gathered on the ps tasks that hold them."""
+        """The rows `indices` (any shape), gathered on the ps tasks that hold them.
+
+        Each distinct id crosses to its ps task once and its row comes back once (a batch of
+        Zipf-distributed ids repeats its popular ones: about half of a recommendation
+        batch's ids); the worker spreads the rows to every position. The gradient likewise
+        has one row per distinct id of this lookup, the sum of its positions' gradients:
+        what the ps would sum before applying it (`tfdist.ps.rowwise.sum_rows`). (Two lookups
+        of a table in one step give a gradient with each lookup's rows, which the ps sums.)
+        """
         del name
         _tf_compat.variable_accessed(self)
         indices = tf.convert_to_tensor(indices)
         parts = self._tfdist_parts
         shape = self.shape
+        distinct, position = tf.unique(tf.reshape(indices, [-1]))
+        read = []  # the distinct ids' rows, as they came from the ps
 
         @tf.custom_gradient
         def lookup(handle):
             del handle  # the gradient's anchor: the tape watches this variable's handle
-            flat = tf.reshape(indices, [-1])
             if len(parts) == 1:
                 master, _ = parts[0]
                 with tf.device(master.device):
-                    rows = tf.raw_ops.ResourceGather(resource=master.handle, indices=flat,
+                    rows = tf.raw_ops.ResourceGather(resource=master.handle, indices=distinct,
                                                      dtype=self.dtype)
             else:
                 positions, gathered = [], []
-                everything = tf.range(tf.size(flat))
+                everything = tf.range(tf.size(distinct))
                 for master, (begin, end) in parts:
-                    mine = tf.logical_and(flat >= begin, flat < end)
+                    mine = tf.logical_and(distinct >= begin, distinct < end)
                     positions.append(tf.boolean_mask(everything, mine))
-                    local = tf.boolean_mask(flat, mine) - tf.cast(begin, flat.dtype)
+                    local = tf.boolean_mask(distinct, mine) - tf.cast(begin, distinct.dtype)
                     with tf.device(master.device):
                         gathered.append(tf.raw_ops.ResourceGather(
                             resource=master.handle, indices=local, dtype=self.dtype))
                 # An id past the last row belongs to no part: the error a gather gives.
                 tf.debugging.assert_equal(
-                    tf.reduce_sum([tf.size(p) for p in positions]), tf.size(flat),
+                    tf.reduce_sum([tf.size(p) for p in positions]), tf.size(distinct),
                     message=f"an id is outside the {shape[0]} rows of table {self._tfdist_path}")
                 rows = tf.dynamic_stitch(positions, gathered)
-            result = tf.reshape(rows, tf.concat([tf.shape(indices), shape[1:]], axis=0))
+            read.append(rows)
+            result = tf.reshape(tf.gather(rows, position),
+                                tf.concat([tf.shape(indices), shape[1:]], axis=0))
 
             def gradient(upstream):
                 values = tf.reshape(upstream, tf.concat([[-1], shape[1:]], axis=0))
-                return tf.IndexedSlices(values, flat, tf.constant(shape.as_list(), tf.int64))
+                summed = tf.math.unsorted_segment_sum(values, position, tf.size(distinct))
+                return tf.IndexedSlices(summed, distinct, tf.constant(shape.as_list(), tf.int64))
 
             return result, gradient
 
@@ -216,12 +229,11 @@ class TableVariable(_tf_compat.BaseResourceVariable):
         reads = getattr(_step, "reads", None)
         if reads is not None:
             row_bytes = shape[1:].num_elements() * self.dtype.size
-            reads.append(tf.size(indices, out_type=tf.int64)
+            reads.append(tf.size(distinct, out_type=tf.int64)
                          * (indices.dtype.size + row_bytes))
         record = getattr(_step, "lookups", None)
         if self._tfdist_record_lookups and record is not None:
-            record.setdefault(id(self), []).append(
-                (tf.reshape(indices, [-1]), tf.reshape(result, [-1, *shape[1:]])))
+            record.setdefault(id(self), []).append((distinct, read[0]))
         return result
 
     def record_lookups(self):
@@ -231,7 +243,8 @@ class TableVariable(_tf_compat.BaseResourceVariable):
 
     def take_lookups(self):
         """The rows this table's lookups in the current step (`step_lookups`) read, as
-        `tf.IndexedSlices(rows, ids)` (a row read twice is there twice); then forgets them.
+        `tf.IndexedSlices(rows, ids)` (each distinct id of a lookup once; a row two lookups
+        read, twice); then forgets them.
 
         The push that takes them may be traced in a branch of the step (a
         `LossScaleOptimizer` applies inside a `tf.cond`): lookups of an enclosing graph are

@@ -143,7 +143,7 @@ class ParameterServerExtended(WorkerRunMixin, BetweenGraphExtendedMixin,
         # Embedding tables: on the ps tasks only (`tfdist.ps.tables`); lookups, and their
         # optimizer slots.
         self._tables = TableSet(tables if tables is not None else TableRule(None),
-                                connection, init_timeout)
+                                connection, init_timeout, partitioner)
         self._push = push
         push.attach(self)
         atexit.register(self.leave)

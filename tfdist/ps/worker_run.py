@@ -172,7 +172,8 @@ class WorkerRunMixin:
                 variable._tfdist_path, variable.shape.as_list(), variable.dtype,
                 splittable=splittable, everywhere=variable._tfdist_everywhere,
                 colocate_with=variable._tfdist_colocate))
-        return placement.plan(items, self._connection.num_ps, partitioner)
+        return placement.plan(items, self._connection.num_ps, partitioner,
+                              held=self._tables.held())
 
     def placement(self):
         """Where the masters live, per ps task: `task`, `variables` (`{path: rows}`, rows

@@ -162,9 +162,12 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
         `keras.layers.Embedding`), None (every worker mirrors every variable), or a list of
         Keras path patterns (`fnmatch`; a pattern that matches no trainable float
         variable of rank 2 or more is an error at the first step, naming it and the
-        model's candidates). A table's rows are split over the ps tasks; a step
-        looks up only the rows its batch touches there and pushes their gradients, so its
-        cost and the worker's memory follow the rows touched, not the table. Hard sync
+        model's candidates). A table is split by rows over the ps tasks as
+        `variable_partitioner` splits a variable ("auto": as TF's `MinSizePartitioner` of
+        256 KiB, parts of at least that, so a table under 512 KiB lives whole on one ps
+        task); a step looks up only the distinct rows its batch
+        touches there and pushes their gradients, so its cost and the worker's memory
+        follow the rows touched, not the table. Hard sync
         stays exact (a step's lookups follow every update before it). Read whole in a
         step (a regularizer, a custom layer multiplying it), a table is an error that
         names it; `model.save`, checkpoints and `get_weights` read it in chunks.
