@@ -13,8 +13,8 @@ machine, the load before and after and its settings (`machine.stamp`); then `rep
 writes report.md from them. Measure on quiet cores: every rate follows the load (the JSON
 records it, the report shows it).
 
-The full size takes longer than many machines are lent for at a time (about 8 hours on 2
-cores, the embedding matrix about 3.5 of them). `--resume` carries on a run that was stopped:
+The full size takes longer than many machines are lent for at a time (about 5.5 hours on 2
+cores, the embedding matrix about 2 of them). `--resume` carries on a run that was stopped:
 `run_all.json` in --out_dir records the run (an id, its commit, machine, size and peer, each
 benchmark's sittings), and a resumed run refuses to go on from another commit, a dirty tree,
 another machine, size or peer; it skips the benchmarks that finished and reruns the one that
