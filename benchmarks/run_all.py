@@ -1,12 +1,17 @@
 """One command regenerates every benchmark table from the current commit, then the report.
 
-    python benchmarks/run_all.py --size=quick            # every benchmark, smallest settings
+    python benchmarks/run_all.py --size=smoke            # the harness end to end, minutes
+    python benchmarks/run_all.py --size=quick --peer_python=PEER/bin/python  # about an hour
     python benchmarks/run_all.py --size=full --peer_python=PEER/bin/python   # hours
+
+The quick size makes every comparison the README quotes, at short windows, fewer codecs and
+table sizes: a reviewer re-running it checks the full run's conclusions (the verdicts, not
+the last digit) in about an hour.
 
 Runs rates, straggler, quality, scaling, compression, network (compression on a switched,
 rate-limited network), network_sgp (Stochastic Gradient Push there), embedding (embedding
-tables on the ps against table size, `--quick` at the quick size) and faults (workers killed,
-stopped and restarted under a running job, `--quick` at the quick size), each writing a fresh
+tables on the ps against table size) and faults (workers killed, stopped and restarted under
+a running job), each writing a fresh
 JSON into --out_dir (an earlier file of the same name is removed first, so nothing of an
 earlier run is kept), each stamped with the commit (and whether the tree was dirty), the
 machine, the load before and after and its settings (`machine.stamp`); then `report.py`
@@ -53,10 +58,12 @@ FLAGS = flags.FLAGS
 
 
 def define_flags():
-    flags.DEFINE_enum("size", "quick", ["quick", "full"],
-                      "quick: every benchmark at its smallest settings (a check that the harness "
-                      "works end to end; its figures are not for quoting); full: the settings the "
-                      "README quotes.")
+    flags.DEFINE_enum("size", "quick", list(SIZES),
+                      "smoke: every benchmark at its smallest settings, minutes (the harness "
+                      "works end to end; its figures are not for quoting); quick: every "
+                      "comparison the README quotes, at short windows and fewer codecs and "
+                      "table sizes (about an hour on 2 cores: the same conclusions, to check "
+                      "them); full: the settings the README quotes (hours).")
     flags.DEFINE_string("out_dir", os.path.join("benchmarks", "results"), "Where results go.")
     flags.DEFINE_string("peer_python", None, "Python of an environment with tensorflow and "
                         "tf_keras, for the ParameterServerStrategy rows of the rates and "
@@ -74,6 +81,7 @@ def define_flags():
                       "removed); without it, an unfinished run is refused: --resume it.")
 
 
+SIZES = ("smoke", "quick", "full")
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 MANIFEST = "run_all.json"
@@ -83,39 +91,56 @@ RESUMABLE = ("embedding",)  # benchmarks that carry on from their own partial JS
 # name; a second benchmark of a file adds settings to it, in the same run))
 BENCHMARKS = {
     "rates": ("rates.py", {
-        "quick": ["--num_workers=2", "--repeats=3", "--window=2", "--warmup=1",
+        "smoke": ["--num_workers=2", "--repeats=3", "--window=2", "--warmup=1",
                   "--only=async, 1 ps, steps_per_execution 10",
                   "--only=tf_keras ParameterServerStrategy, 1 ps, steps_per_execution 10"],
+        "quick": ["--num_workers=4", "--repeats=3", "--window=3", "--warmup=2",
+                  "--only=hard sync, 1 ps", "--only=async, 1 ps",
+                  "--only=tf_keras ParameterServerStrategy, 1 ps"],
         "full": ["--num_workers=4", "--repeats=3", "--window=8", "--warmup=4"]}),
     "straggler": ("straggler.py", {
-        "quick": ["--num_workers=3", "--window=3", "--only=hard sync",
+        "smoke": ["--num_workers=3", "--window=3", "--only=hard sync",
                   "--scenarios=persistent"],
+        "quick": ["--num_workers=4", "--window=4", "--scenarios=persistent",
+                  "--only=hard sync,soft sync,all-reduce"],
         "full": ["--num_workers=4", "--window=10"]}),
     "quality": ("quality.py", {
-        "quick": ["--seeds=1", "--workers=2", "--epochs=2", "--modes=hard sync"],
+        "smoke": ["--seeds=1", "--workers=2", "--epochs=2", "--modes=hard sync"],
+        "quick": ["--seeds=1", "--workers=4", "--epochs=2"],
         "full": []}),
     "compression": ("compression.py", {
-        "quick": ["--fast", "--compressors=fp16,topk", "--seeds=0", "--epochs=1",
+        "smoke": ["--fast", "--compressors=fp16,topk", "--seeds=0", "--epochs=1",
                   "--timing_steps=5"],
+        "quick": ["--repeats=8"],
         "full": []}),
     "network": ("network.py", {
-        "quick": ["--compressors=none,topk", "--workers=2", "--bandwidths=100mbit",
+        "smoke": ["--compressors=none,topk", "--workers=2", "--bandwidths=100mbit",
                   "--epochs=1", "--timing_steps=10", "--nowithout_error_feedback"],
+        "quick": ["--compressors=none,powersgd,dgc,randomk,topk,signsgd,threshold,fp16",
+                  "--timing_steps=10", "--nowithout_error_feedback"],
         "full": []}),
     "network_n8": ("network.py", {
-        "quick": None,
+        "smoke": None,
+        "quick": ["--compressors=none,topk,powersgd,qsgd", "--workers=8", "--bandwidths=1gbit",
+                  "--parts=timing", "--timing_steps=10"],
         "full": ["--compressors=none,topk,powersgd,qsgd", "--workers=8", "--bandwidths=1gbit",
                  "--parts=timing"]}, "network"),
     "network_sgp": ("network.py", {
-        "quick": ["--sgp", "--compressors=none", "--workers=2", "--bandwidths=100mbit",
+        "smoke": ["--sgp", "--compressors=none", "--workers=2", "--bandwidths=100mbit",
+                  "--timing_steps=10", "--parts=timing"],
+        "quick": ["--sgp", "--compressors=none", "--workers=4", "--bandwidths=100mbit",
                   "--timing_steps=10", "--parts=timing"],
         "full": ["--sgp", "--compressors=none", "--workers=4", "--bandwidths=100mbit",
                  "--parts=timing"]}),
-    "embedding": ("embedding.py", {"quick": ["--quick"], "full": []}),
-    "faults": ("faults.py", {"quick": ["--quick"], "full": []}),
+    "embedding": ("embedding.py", {
+        "smoke": ["--quick"],
+        "quick": ["--rows=100000,1000000", "--workers=2", "--ps=1,2", "--repeats=3",
+                  "--warmup=2", "--window=8", "--quality_examples=12800"],
+        "full": []}),
+    "faults": ("faults.py", {"smoke": ["--quick"], "quick": ["--quick"], "full": []}),
 }
 PEER_BENCHMARKS = ("rates", "embedding")  # those given --peer_python
-SCALING = {"quick": ([1, 2], 2.0), "full": ([1, 2, 4, 8], 10.0)}
+SCALING = {"smoke": ([1, 2], 2.0), "quick": ([1, 2, 4], 3.0), "full": ([1, 2, 4, 8], 10.0)}
 LIMIT_MODE = "one process, no strategy (limit)"
 
 

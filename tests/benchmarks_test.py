@@ -1,7 +1,7 @@
 """The capacity model of benchmarks/capacity.py against closed forms; report.py's rules
 (commits never mixed in a table, no difference inside the spread, fractions of the limit) and
 its embedding table and plot on small JSON fixtures. The benchmarks themselves run in
-`benchmarks/run_all.py --size=quick`."""
+`benchmarks/run_all.py --size=smoke` (or quick)."""
 
 import importlib.util
 import json
@@ -558,9 +558,9 @@ class ResumeTest(tf.test.TestCase):
         steps = run_all.plan(["embedding", "faults"], "full", record)
         self.assertEqual([(name, f, c) for name, _, _, f, c in steps],
                          [("embedding", False, True), ("faults", False, False)])
-        # The quick size has no network_n8.
+        # The smoke size has no network_n8.
         self.assertNotIn("network_n8",
-                         [step[0] for step in run_all.plan(everything, "quick",
+                         [step[0] for step in run_all.plan(everything, "smoke",
                                                            {"benchmarks": {}})])
         self.assertEqual(run_all.unfinished(record), ["embedding", "faults"])
 
