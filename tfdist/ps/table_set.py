@@ -183,12 +183,12 @@ class TableSet:
         """
         num_ps = self.connection.num_ps
         item = placement.Item(path, shape, dtype)
-        if self.partitioner == placement.AUTO:
-            parts = max(1, min(num_ps, shape[0],
-                               item.bytes // placement.AUTO_MIN_SHARD_BYTES))
-        else:
-            parts = placement.parts_wanted(item, num_ps, self.partitioner,
-                                           placement.AUTO_MIN_SHARD_BYTES)
+        partitioner = self.partitioner
+        if partitioner == placement.AUTO:
+            partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+                min_shard_bytes=placement.AUTO_MIN_SHARD_BYTES, max_shards=num_ps)
+        parts = placement.parts_wanted(item, num_ps, partitioner,
+                                       placement.AUTO_MIN_SHARD_BYTES)
         held = self.held()
         tasks = sorted(range(num_ps), key=lambda t: (held[t], t))[:parts]
         shards = list(zip(tasks, placement.row_splits(shape[0], parts)))

@@ -165,12 +165,11 @@ class SoftSyncStrategy(ParameterServerStrategyBase):
         model's candidates). A table is split by rows over the ps tasks as
         `variable_partitioner` splits a variable ("auto": as TF's `MinSizePartitioner` of
         256 KiB, parts of at least that, so a table under 512 KiB lives whole on one ps
-        task); a step looks up only the distinct rows its batch
-        touches there and pushes their gradients, so its cost and the worker's memory
-        follow the rows touched, not the table. Hard sync
-        stays exact (a step's lookups follow every update before it). Read whole in a
-        step (a regularizer, a custom layer multiplying it), a table is an error that
-        names it; `model.save`, checkpoints and `get_weights` read it in chunks.
+        task); a step looks up only the distinct rows its batch touches there and pushes
+        their gradients, so its cost and the worker's memory follow the rows touched, not
+        the table. Hard sync stays exact (a step's lookups follow every update before it).
+        Read whole in a step (a regularizer, a custom layer multiplying it), a table is an
+        error that names it; `model.save`, checkpoints and `get_weights` read it in chunks.
       embedding_updates: how the ps tasks update a table's rows: "lazy" (the default: only
         the rows an update touched, with their optimizer slots; exact for SGD without
         momentum and Adagrad, TF1's `LazyAdamOptimizer` semantics for Adam, momentum and
