@@ -33,6 +33,7 @@ import numpy as np  # noqa: E402
 from absl import app  # noqa: E402
 from absl import flags  # noqa: E402
 from machine import finish  # noqa: E402
+from machine import ratio_spread  # noqa: E402
 from machine import record_parts  # noqa: E402
 from machine import stamp  # noqa: E402
 from machine import write_json  # noqa: E402
@@ -231,8 +232,8 @@ def baseline_ratio(data, steps, repeats):
     seconds, _, samples = step_times(baseline, data, steps, repeats)
     ratios = [a / b for a, b in zip(samples["tfdist, compression=None"],
                                     samples["tf MirroredStrategy"])]
-    return seconds, statistics.median(ratios), int(
-        baseline["tf MirroredStrategy"].count_params())
+    return seconds, ratio_spread(ratios), int(baseline["tf MirroredStrategy"].count_params())
+
 
 
 def measure_exchange(names, steps, repeats):
@@ -246,12 +247,14 @@ def measure_exchange(names, steps, repeats):
         timing_data(drop_remainder=True), steps, max(2, repeats // 2))
     result = {"model_parameters": size,
               "step_seconds": seconds, "timing": {"steps": steps, "repeats": repeats},
-              "step_time_ratio": ratio,
-              "static_batch": {"step_seconds": even_seconds, "step_time_ratio": even_ratio,
+              "step_time_ratio": ratio["median"], "step_time_ratio_spread": ratio,
+              "static_batch": {"step_seconds": even_seconds,
+                               "step_time_ratio": even_ratio["median"],
+                               "step_time_ratio_spread": even_ratio,
                                "repeats": max(2, repeats // 2)},
               "compressors": {}}
-    print(f"step time: tfdist/tf = {ratio:.3f} (batch size known when traced: "
-          f"{even_ratio:.3f})", flush=True)
+    print(f"step time: tfdist/tf = {ratio['median']:.3f} (batch size known when traced: "
+          f"{even_ratio['median']:.3f})", flush=True)
     size = result["model_parameters"]
     real = real_gradients()
     for name in names:

@@ -18,6 +18,9 @@ that rate, shared by the N workers as on a hub.
   at the same bandwidth and N, in the same invocation. Each setting also times the limit,
   `LIMIT`: plain Keras `fit` in one process (no strategy, no network) on the global batch
   of 32 x N rows, on the same cores.
+* Links: before each setting's timing, the rate each pair of its workers gets with every
+  pair sending at once (`tfdist.launch.links`, plain TCP): whether the set rate holds on
+  these cores (`--nocheck_links` skips it).
 * Accuracy: a full run (`--epochs`) of every codec at N = `--accuracy_workers` (by default
   with no rate limit: it changes the time, not the numbers), with the loss of every epoch;
   lossy codecs also without error feedback.
@@ -54,6 +57,9 @@ flags.DEFINE_list("workers", ["2", "4"], "Worker counts N of the timing runs.")
 flags.DEFINE_list("wide_compressors", None,
                   "Compressors timed at every bandwidth and N; the others only at the first "
                   "of each (default: all everywhere).")
+flags.DEFINE_bool("check_links", True,
+                  "Before timing each setting, measure the rate pairs of its workers get at "
+                  "once on its network (tfdist.launch.links), into the JSON's `links`.")
 flags.DEFINE_integer("accuracy_workers", 2, "N of the accuracy runs.")
 flags.DEFINE_string("accuracy_bandwidth", None, "Link rate of the accuracy runs (None: no "
                     "limit; accuracy does not depend on it, the run's length does).")
@@ -127,6 +133,22 @@ def _cell(runs):
             "runs": runs}
 
 
+def links(bandwidth, workers):
+    """What pairs of the setting's workers get at once on its network (`measure_links`: on
+    2 cores, many links at a high rate may not reach it), or why it was not measured."""
+    import dataclasses
+
+    from tfdist.launch.isolation import IsolationUnavailable
+    from tfdist.launch.links import measure_links
+
+    try:
+        rates = measure_links(bandwidth, num_workers=max(2, workers), topology=FLAGS.topology)
+    except (IsolationUnavailable, RuntimeError) as e:
+        return {"error": str(e)[:300]}
+    print(f"[links {bandwidth} N={workers}] {rates.text()}", flush=True)
+    return dataclasses.asdict(rates)
+
+
 def lossy(name):
     import tfdist
 
@@ -166,6 +188,9 @@ def main(argv):
                 chosen = [name for name in names + (["sgp"] if FLAGS.sgp else []) + [LIMIT]
                           if (bandwidth, workers) == first or not FLAGS.wide_compressors
                           or name in FLAGS.wide_compressors + [LIMIT]]
+                if FLAGS.check_links:
+                    results.setdefault("links", {})[f"{bandwidth}, N={workers}"] = links(
+                        bandwidth, workers)
                 runs = {name: [] for name in chosen}
                 for repeat in range(FLAGS.timing_repeats):  # interleaved
                     for name in chosen:

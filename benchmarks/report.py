@@ -13,6 +13,7 @@ given as a fraction of the one-process limit measured in the same run.
 
 import json
 import os
+import statistics
 import sys
 
 from absl import app
@@ -24,6 +25,7 @@ sys.path.insert(0, HERE)
 import capacity  # noqa: E402
 from machine import commit_label  # noqa: E402
 from machine import machine_kind  # noqa: E402
+from machine import spread  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -169,8 +171,19 @@ def _static_batch_note(exchange):
     return (f", with batches whose size is not known when the step is traced (tfdist then "
             f"weighs each replica's gradient by its examples, which makes a batch that the "
             f"replicas do not divide exact; TF's strategy does not); **"
-            f"{static['step_time_ratio']:.3f}** with `drop_remainder=True` (every size known, "
-            f"nothing weighted; {static['repeats']} repeats)")
+            f"{static['step_time_ratio']:.3f}**{_ratio_spread_text(static)} with "
+            f"`drop_remainder=True` (every size known, nothing weighted; {static['repeats']} "
+            f"repeats)")
+
+
+def _ratio_spread_text(figures):
+    """" (quartiles a–b, min–max c–d, of n pairs)" of a step-time ratio, where the run kept
+    its spread (results from before it did have the median only)."""
+    spread = figures.get("step_time_ratio_spread")
+    if not spread:
+        return ""
+    return (f" (quartiles {spread['q1']:.3f}–{spread['q3']:.3f}, min–max {spread['min']:.3f}–"
+            f"{spread['max']:.3f} of {spread['pairs']} neighbouring pairs)")
 
 
 def compression_section(result):
@@ -179,8 +192,9 @@ def compression_section(result):
              "`benchmarks/compression.py`: one process, 2 replicas on 2 logical CPU devices. "
              f"Step time of `CompressedMirroredStrategy(compression=None)` over TF's "
              f"`MirroredStrategy` on the same job (MLP, {exchange['model_parameters']:,} "
-             f"parameters, interleaved runs, median): **{exchange['step_time_ratio']:.3f}** "
-             "(target ≤ 1.03)" + _static_batch_note(exchange) + ".", "",
+             f"parameters, interleaved runs, median): **{exchange['step_time_ratio']:.3f}**"
+             f"{_ratio_spread_text(exchange)} (target ≤ 1.03)" + _static_batch_note(exchange)
+             + "." + _load_text(result) + _part_loads_text(result), "",
              "Bytes one replica sends per step (from the Keras logs of training) against dense "
              "float32, the step time with the compressor against the same exchange with "
              "`none`, and one replica's encode + decode time (its payload in, every payload "
@@ -247,7 +261,7 @@ def network_section(result):
              "the codec's at the same bandwidth and N, in the same run (DGC timed without its "
              "warm-up; codecs left out of a setting are blank). `bytes_on_wire` is what one "
              "worker sends and receives per step at that N (Keras logs); the ratio is the dense "
-             "ring all-reduce's over it." + _load_text(result), ""]
+             "ring all-reduce's over it." + _load_text(result) + _part_loads_text(result), ""]
     timing = result.get("timing", {})
     settings = sorted(timing)
     ok, line = commit_line({f"timing/{s}": part_commit(result, f"timing/{s}")
@@ -275,7 +289,7 @@ def network_section(result):
                 row.append(f"{int(r['bytes_on_wire']):,}, {r['compression_ratio']:.1f}x"
                            if "bytes_on_wire" in r else "")
             rows.append(row)
-        parts += [_table(header, rows), ""]
+        parts += [_table(header, rows), ""] + _links_text(result)
     accuracy = result.get("accuracy", {})
     ok, line = commit_line({"accuracy": part_commit(result, "accuracy")})
     if accuracy and not ok:
@@ -292,6 +306,26 @@ def network_section(result):
         parts += [_table(["compressor", "test accuracy", "points", "final loss"], rows), ""]
     parts += ["![network](network.png)", ""]
     return parts
+
+
+def _links_text(result):
+    """The links measured before each setting's timing (`tfdist.launch.links`): the rate
+    each pair of workers got with every pair sending at once, against the set rate."""
+    measured = result.get("links", {})
+    if not measured:
+        return []
+    lines = []
+    for setting, r in sorted(measured.items()):
+        if "error" in r:
+            lines.append(f"{setting}: not measured ({r['error'][:100]})")
+            continue
+        got = [p / r["set_rate"] for p in r["pairs"]] if r.get("set_rate") else []
+        held = f" ({min(got):.0%}–{max(got):.0%} of the set rate)" if got else ""
+        lines.append(f"{setting}: {len(r['pairs'])} pair(s), "
+                     f"{min(r['pairs']) / 1e6:,.0f}–{max(r['pairs']) / 1e6:,.0f} Mbit/s a "
+                     f"pair{held}")
+    return ["Links, measured before each setting's timing (every pair of its workers sending "
+            "at once, plain TCP, `tfdist.launch.links`): " + "; ".join(lines) + ".", ""]
 
 
 def step_cell(cell, uncompressed):
@@ -680,6 +714,33 @@ def _load_text(results):
             f"{results['load_before']['cpus']} cores shared with other jobs.")
 
 
+def _part_loads_text(result):
+    """Each part's load average where the parts of a result file were measured in different
+    sittings (their loads differ): the file's one stamp has only the last sitting's."""
+    loads = result.get("part_loads", {})
+    if len({json.dumps(load, sort_keys=True) for load in loads.values()}) < 2:
+        return ""
+
+    def _load(values):
+        return " / ".join(f"{x:g}" for x in values) if values else "?"
+
+    return (" Load average (1 / 5 / 15 min) at the start and end of each part's sitting: "
+            + "; ".join(f"{part}: {_load(load.get('load_before'))} to "
+                        f"{_load(load.get('load_after'))}"
+                        for part, load in sorted(loads.items())) + ".")
+
+
+def _rows_per_update(cell):
+    """The rows an update of a straggler cell averages (from its runs where the cell does not
+    say: results from before it did)."""
+    rows = cell["baseline"].get("rows_per_update")
+    if rows is None:
+        found = [r["baseline"]["rows_per_update"] for r in cell.get("repeats", [])
+                 if "rows_per_update" in r.get("baseline", {})]
+        rows = statistics.median(found) if found else None
+    return "" if rows is None else f"{rows:g}"
+
+
 def straggler_section(straggler):
     every = straggler.get("stall_every")
     scenarios = straggler.get("scenarios", ["persistent"])
@@ -706,7 +767,7 @@ def straggler_section(straggler):
                  "stalled worker also frees a core for the others: ratios above 1 are that "
                  "and noise." if len(scenarios) > 1 else "")
               + _load_text(straggler), ""]
-    header = ["mode", "no straggler (updates/s)", "of the limit"]
+    header = ["mode", "rows/update", "no straggler (updates/s)", "examples/s", "of the limit"]
     for scenario in scenarios:
         header += [f"{scenario} (updates/s)", "ratio"]
         if scenario != "persistent":
@@ -719,7 +780,8 @@ def straggler_section(straggler):
                         + [""] * (len(header) - 2))
             continue
         fraction = fraction_of_limit(r["baseline"].get("examples_per_second"), [limit])
-        row = [name, _range(r["baseline"]["updates_per_second"]),
+        row = [name, _rows_per_update(r), _range(r["baseline"]["updates_per_second"]),
+               _range(r["baseline"].get("examples_per_second"), 0),
                "" if fraction is None else f"{fraction:.2f}"]
         for scenario in scenarios:
             done = r.get(scenario, {})
@@ -857,26 +919,44 @@ def scaling_section(scaling, capacity_result, sources):
     limit = scaling.get(LIMIT_MODE, {})
     rows_per = {"hard sync": lambda m: 32 * m, "async": lambda m: 32}
     counts = sorted({int(m) for mode in modes for m in scaling[mode]})
+    runs = scaling.get("runs", {})
+
+    def cell(mode, m):
+        """"median (min–max)" of a mode's updates/s at m workers (the median alone where
+        the file kept no runs)."""
+        rates = runs.get(mode, {}).get(str(m))
+        if rates:
+            return _range(spread(rates))
+        rate = scaling.get(mode, {}).get(str(m))
+        return "error" if rate is None else f"{rate:.1f}"
+
     rows = []
     for m in counts:
         row = [m]
         best = limit.get(str(m))
         for mode in modes:
             rate = scaling[mode].get(str(m))
-            cell = "error" if rate is None else f"{rate:.1f}"
-            if rate is not None and best:
-                cell += f" ({rate * rows_per[mode](m) / (best * 32 * m):.2f} of the limit)"
-            row.append(cell)
+            row.append(cell(mode, m))
+            if rate is None:
+                row += ["", ""]
+                continue
+            row.append(f"{rate * rows_per[mode](m):,.0f}")
+            row.append("" if not best else f"{rate * rows_per[mode](m) / (best * 32 * m):.2f}")
         if limit:
-            row.append("" if best is None else f"{best:.1f}")
+            row += [cell(LIMIT_MODE, m), "" if best is None else f"{best * 32 * m:,.0f}"]
         rows.append(row)
-    parts += [f"Update rates, 1 ps, median of {scaling.get('repeats', 1)} interleaved run(s) "
-              "per cell; \"of the limit\": examples per second "
-              "over those of one process (plain Keras `fit`, no strategy, the same cores) on "
-              "the global batch of a hard-sync update, 32 x M rows (hard sync: 32 x M rows an "
-              "update, async: 32)." + _load_text(scaling), ""]
-    parts += [_table(["workers"] + [f"{mode} (updates/s)" for mode in modes]
-                     + ([f"{LIMIT_MODE} (updates/s)"] if limit else []), rows), ""]
+    parts += [f"Update rates, 1 ps, median (min–max) of {scaling.get('repeats', 1)} "
+              "interleaved run(s) per cell; examples/s: the median rate times the rows an "
+              "update averages (hard sync: 32 x M, async: 32); \"of the limit\": those "
+              "examples per second over one process's (plain Keras `fit`, no strategy, the "
+              "same cores) on the global batch of a hard-sync update, 32 x M rows."
+              + _load_text(scaling), ""]
+    header = ["workers"]
+    for mode in modes:
+        header += [f"{mode} (updates/s)", "examples/s", "of the limit"]
+    if limit:
+        header += [f"{LIMIT_MODE} (updates/s)", "examples/s"]
+    parts += [_table(header, rows), ""]
     fit = capacity_result["fit"]
     parts += [f"Least-squares fit over the measured worker counts: {1000 * fit['compute_s']:.2f}"
               f" ms per update plus {1000 * fit['per_push_s']:.2f} ms per push. On this "
@@ -962,6 +1042,13 @@ def write_report(out_dir, bandwidth_gbit=10.0, latency_us=50.0):
         capacity_result = build_capacity(scaling,
                                          round(topk["bytes_ratio"], 1) if topk else 100.0,
                                          bandwidth_gbit, latency_us)
+        # Not a measurement: derived here, from the measurements it names.
+        capacity_result["derived_from"] = {
+            "scaling.json": {"commit": commit_label(scaling.get("stamp")),
+                             "run": (scaling.get("stamp") or {}).get("run")},
+            "compression.json (top-k ratio)": {
+                "commit": part_commit(compression, "exchange"),
+                "run": (compression.get("stamp") or {}).get("run")}}
         with open(_path("capacity.json"), "w") as f:
             json.dump(capacity_result, f, indent=1)
         plot_capacity(capacity_result, _path("capacity.png"))

@@ -139,7 +139,8 @@ def _combine(repeats):
     cells = {"repeats": repeats, "baseline": {
         "updates_per_second": spread([r["baseline"]["updates_per_second"] for r in ran]),
         "examples_per_second": spread([r["baseline"].get("examples_per_second")
-                                       for r in ran])}}
+                                       for r in ran]),
+        "rows_per_update": spread([r["baseline"].get("rows_per_update") for r in ran])["median"]}}
     for scenario in FLAGS.scenarios:
         pairs = [(r, r if scenario == "persistent" else r.get(scenario, {})) for r in ran]
         done = [(r, d) for r, d in pairs if "rate_ratio" in d]

@@ -132,6 +132,62 @@ class ReportTest(tf.test.TestCase):
                                                    "timing/1gbit, N=2": "b" * 12 + "+dirty"})
         self.assertEqual(report.part_commit(results, "timing/1gbit, N=2"), "b" * 12 + "+dirty")
         self.assertEqual(machine.commit_label(None), "not recorded")
+        # Each part keeps the load of the sitting that measured it; the report lists them.
+        self.assertEqual(results["part_loads"]["timing/100mbit, N=2"],
+                         {"load_before": [1.0, 1.0, 1.0], "load_after": [1.5, 1.0, 1.0]})
+        self.assertEqual(results["part_loads"]["timing/1gbit, N=2"]["load_before"],
+                         [1.0, 1.0, 1.0])
+        results["part_loads"]["timing/1gbit, N=2"] = {"load_before": [3.0, 2, 1],
+                                                      "load_after": [4.0, 2, 1]}
+        self.assertIn("timing/1gbit, N=2: 3 / 2 / 1 to 4 / 2 / 1",
+                      report._part_loads_text(results))
+        del results["part_loads"]["timing/1gbit, N=2"]
+        self.assertEqual(report._part_loads_text(results), "")
+
+    def test_scaling_and_straggler_tables_give_spread_rows_and_examples(self):
+        scaling = {"stamp": _stamp("f" * 40), "repeats": 3,
+                   "hard sync": {"2": 100.0}, "async": {"2": 400.0},
+                   report.LIMIT_MODE: {"2": 200.0},
+                   "runs": {"hard sync": {"2": [90.0, 100.0, 120.0]},
+                            "async": {"2": [400.0, 380.0, 410.0]},
+                            report.LIMIT_MODE: {"2": [200.0, 190.0, 210.0]}}}
+        capacity_result = report.build_capacity({"hard sync": {"1": 300.0, "2": 100.0}}, 10.0)
+        text = "\n".join(report.scaling_section(scaling, capacity_result,
+                                                {"scaling.json": "f" * 12}))
+        # hard sync: 100 updates/s of 64 rows (6,400 ex/s) over the limit's 200 x 64.
+        self.assertIn("| 2 | 100.0 (90.0–120.0) | 6,400 | 0.50 | 400.0 (380.0–410.0) | 12,800 "
+                      "| 1.00 | 200.0 (190.0–210.0) | 12,800 |", text)
+        straggler = {"stamp": _stamp("f" * 40), "num_workers": 4, "repeats": 3, "slowdown": 4,
+                     "window_seconds": 8, "job": "digits MLP", "network": "local",
+                     "limit": {"examples_per_second": _cell(25600.0)},
+                     "modes": {"soft sync (3 of 4)": {
+                         "baseline": {"updates_per_second": _cell(100.0, 90.0, 110.0),
+                                      "examples_per_second": _cell(9600.0, 8640.0, 10560.0)},
+                         "repeats": [{"baseline": {"rows_per_update": 96}}],
+                         "persistent": {"updates_per_second": _cell(100.0, 95.0, 105.0),
+                                        "rate_ratio": _cell(1.0, 0.9, 1.1)}}}}
+        text = "\n".join(report.straggler_section(straggler))
+        self.assertIn("| soft sync (3 of 4) | 96 | 100.0 (90.0–110.0) | 9,600 (8,640–10,560) | "
+                      "0.38 |", text)
+
+    def test_the_links_of_each_setting_are_stated_against_the_set_rate(self):
+        network = {"links": {"1gbit, N=8": {"set_rate": 1e9, "pairs": [9.1e8, 6.2e8, 8e8, 7e8],
+                                            "aggregate": 3.0e9, "topology": "switched",
+                                            "bytes_per_pair": 125000000},
+                             "100mbit, N=2": {"error": "no namespaces"}}}
+        text = " ".join(report._links_text(network))
+        self.assertIn("1gbit, N=8: 4 pair(s), 620–910 Mbit/s a pair (62%–91% of the set rate)",
+                      text)
+        self.assertIn("100mbit, N=2: not measured (no namespaces)", text)
+        self.assertEqual(report._links_text({}), [])
+
+    def test_a_step_time_ratio_gives_its_quartiles(self):
+        spread = machine.ratio_spread([1.0, 1.1, 1.2, 1.3, 0.9])
+        self.assertEqual((spread["median"], spread["min"], spread["max"], spread["pairs"]),
+                         (1.1, 0.9, 1.3, 5))
+        self.assertIn("min–max 0.900–1.300 of 5 neighbouring pairs",
+                      report._ratio_spread_text({"step_time_ratio_spread": spread}))
+        self.assertEqual(report._ratio_spread_text({"step_time_ratio": 1.05}), "")
 
     def test_report_names_commits_refuses_mixtures_and_gives_fractions(self):
         out = self.get_temp_dir()

@@ -18,6 +18,8 @@ from tfdist.launch import isolation
 from tfdist.launch.isolation import IsolationUnavailable
 from tfdist.launch.isolation import PrivateNetwork
 from tfdist.launch.isolation import private_network
+from tfdist.launch.links import PAIRS
+from tfdist.launch.links import measure_links
 
 # The worker checks that the ps answers from inside, says so, tries a server outside the
 # cluster (argv 2 and 3), says what it got, and stays up for a while.
@@ -36,47 +38,6 @@ except OSError as e:
 deadline = time.monotonic() + 60
 while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
     time.sleep(0.05)
-"""
-
-
-# Pairs of workers at once: each odd worker sends `size` bytes to the worker before it, once
-# every sender is connected (each leaves a file in argv 2); each receiver says the rate it got,
-# and when its first and last bytes came (this machine's clock).
-PAIRS = """
-import json, os, socket, sys, time
-config = json.loads(os.environ["TF_CONFIG"])
-size, ready = int(sys.argv[1]), sys.argv[2]
-index = config["task"]["index"]
-host, port = config["cluster"]["worker"][index - index % 2].rsplit(":", 1)
-deadline = time.monotonic() + 30
-if index % 2 == 0:
-    with socket.create_server(("", int(port))) as server:
-        server.settimeout(30)
-        connection, _ = server.accept()
-        with connection:
-            got, start = 0, None
-            while got < size:
-                chunk = connection.recv(1 << 16)
-                if not chunk:
-                    break
-                start = start or time.time()
-                got += len(chunk)
-            end = time.time()
-            print("RATE", index, got * 8 / (end - start), start, end, flush=True)
-else:
-    while True:
-        try:
-            link = socket.create_connection((host, int(port)), timeout=5)
-            break
-        except OSError:
-            assert time.monotonic() < deadline, "the receiver never listened"
-            time.sleep(0.05)
-    open(os.path.join(ready, str(index)), "w").close()
-    while len(os.listdir(ready)) < len(config["cluster"]["worker"]) // 2:
-        assert time.monotonic() < deadline, "another sender never connected"
-        time.sleep(0.005)
-    with link:
-        link.sendall(b"x" * size)
 """
 
 
@@ -305,39 +266,49 @@ class SwitchedNetworkTest(tf.test.TestCase):
                 shutil.which("ip") or os.path.exists("/usr/sbin/ip")):
             self.skipTest("iproute2's `ip` and `tc` are not installed")
 
-    def _pair_rates(self, topology, rate, size):
-        ready = tempfile.mkdtemp(dir=self.get_temp_dir())
-        with LocalCluster([sys.executable, "-c", PAIRS, str(size), ready], num_ps=0,
-                          num_workers=4, output=None, timeout=60, bandwidth=rate,
-                          topology=topology, outbound_network=False) as cluster:
-            result = cluster.wait()
-        self.assertEqual(result.returncode, 0, cluster.lines)
-        said = [line.split()[2:] for _, line in cluster.lines if line.startswith("RATE")]
-        self.assertLen(said, 2, cluster.lines)
-        rates = [float(rate) for rate, _, _ in said]
-        # Both pairs' bytes over the time from the first byte to the last, either pair's.
-        both = 2 * size * 8 / (max(float(end) for _, _, end in said)
-                               - min(float(start) for _, start, _ in said))
-        return rates, both, cluster
-
     def test_two_pairs_each_get_the_full_rate_on_a_switch_and_share_a_hub(self):
         # 2.5 MB a pair at 20 Mbit/s: about 1 s on the switch, 2 s on the hub.
-        rate, size = 20e6, 5 << 19
-        switched, both, cluster = self._pair_rates(None, "20mbit", size)
-        self.assertEqual(cluster.topology, "switched")  # the default with a bandwidth
-        self.assertStartsWith(cluster.config.cluster["worker"][0], "10.213.0.2:")
-        for got in switched:
+        rate = 20e6
+        switched = measure_links("20mbit", num_workers=4, seconds=1.0)
+        self.assertEqual(switched.topology, "switched")  # the default with a bandwidth
+        self.assertEqual((switched.set_rate, switched.bytes_per_pair), (rate, 2500000))
+        self.assertLen(switched.pairs, 2)
+        for got in switched.pairs:
             self.assertBetween(got, 0.7 * rate, 1.3 * rate)
-        self.assertGreater(both, 1.4 * rate)
+        self.assertGreater(switched.aggregate, 1.4 * rate)
+        self.assertIn("2 pair(s) sending at once on the switched network (set: 20.0 Mbit/s)",
+                      switched.text())
         # On the hub the pairs share the one link (TCP need not share it evenly: the sum).
-        _, both, _ = self._pair_rates("hub", "20mbit", size)
-        self.assertLess(both, 1.3 * rate)
+        hub = measure_links("20mbit", num_workers=5, topology="hub", seconds=1.0)
+        self.assertLen(hub.pairs, 2)  # the fifth worker sits out
+        self.assertLess(hub.aggregate, 1.3 * rate)
+
+    def test_the_launcher_checks_the_links_before_the_job(self):
+        result = subprocess.run(
+            [sys.executable, "-m", "tfdist.launch", "--local", "--num_ps=0", "--num_workers=2",
+             "--bandwidth=20mbit", "--check_links", "--timeout=60", "--", sys.executable, "-c",
+             "print('JOB RAN', flush=True)"], capture_output=True, text=True, timeout=120)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertRegex(result.stderr, r"links of 2 workers: 1 pair\(s\) sending at once on "
+                                        r"the switched network \(set: 20\.0 Mbit/s\): [0-9.]+ "
+                                        r"Mbit/s a pair")
+        self.assertIn("JOB RAN", result.stdout + result.stderr)
+
+    def test_bad_link_measurements(self):
+        with self.assertRaisesRegex(ValueError, r"`num_workers` must be an integer >= 2 .*"
+                                                r"Received: 1"):
+            measure_links("20mbit", num_workers=1)
+        with self.assertRaisesRegex(ValueError, r"`seconds` must be a number > 0\. Received: 0"):
+            measure_links("20mbit", seconds=0)
+        with self.assertRaisesRegex(ValueError, r"`bandwidth` must be a rate"):
+            measure_links("fast")
 
     def test_the_switched_tasks_are_out_of_reach_from_outside(self):
         with LocalCluster([sys.executable, "-c", GREETER], num_ps=0, num_workers=1,
                           output=None, timeout=60, topology="switched",
                           outbound_network=False) as cluster:
             address = cluster.config.cluster["worker"][0]
+            self.assertStartsWith(address, "10.213.0.2:")  # an address of the bridge's
             host, port = address.rsplit(":", 1)
             deadline = time.monotonic() + 30
             with cluster.network.inside():  # from the switch, the task's address answers

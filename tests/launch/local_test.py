@@ -269,6 +269,9 @@ class LauncherCliTest(tf.test.TestCase):
              r"private network. Received: --noisolate_network"),
             (["--job_name=worker", "--worker_hosts=a:1", "--topology=hub", "--", "true"],
              r"--topology connects the tasks of a --local cluster"),
+            (["--job_name=worker", "--worker_hosts=a:1", "--check_links", "--", "true"],
+             r"--check_links measures a --local cluster's network. Received: --check_links "
+             r"without --local"),
             (["--job_name=ps", "--ps_hosts=localhost:2", "--exit_after_workers_gone=5"],
              r"--exit_after_workers_gone watches the workers' ports: give --worker_hosts"),
             (["--job_name=ps", "--ps_hosts=localhost:2", "--exit_after_workers_gone=0"],

@@ -84,6 +84,10 @@ flags.DEFINE_enum("topology", None, ["switched", "hub"],
                   "an address of its own on a bridge, as machines on a switch; 'hub' runs "
                   "every task in one namespace, on its loopback. Default: switched with "
                   "--bandwidth, else hub.")
+flags.DEFINE_bool("check_links", False,
+                  "With --local: before the job, measure the rate pairs of workers get at once "
+                  "on the cluster's network (tfdist.launch.links) and print it: on few cores "
+                  "a high --bandwidth over many links may not be reached.")
 flags.DEFINE_float("grace_period", 3.0,
                    "With --local: seconds the other tasks get after one fails.", lower_bound=0)
 flags.DEFINE_bool("preload", False,
@@ -248,6 +252,23 @@ def _import_modules(modules):
                 "it where the ps tasks run, or put it on their PYTHONPATH") from None
 
 
+def _check_links():
+    """Prints the rates pairs of workers get at once on the job's network; 1 where it cannot
+    be measured (said why), else None."""
+    from tfdist.launch.isolation import IsolationUnavailable
+    from tfdist.launch.links import measure_links
+
+    workers = max(2, FLAGS.num_workers)
+    try:
+        rates = measure_links(FLAGS.bandwidth, num_workers=workers, topology=FLAGS.topology)
+    except (IsolationUnavailable, RuntimeError) as e:
+        print(f"[tfdist-launch] --check_links: cannot measure the links: {e}", file=sys.stderr)
+        return 1
+    print(f"[tfdist-launch] links of {workers} workers: {rates.text()}", file=sys.stderr,
+          flush=True)
+    return None
+
+
 def _run_local(command):
     from tfdist.launch.local import LocalCluster
 
@@ -275,6 +296,10 @@ def _run_local(command):
             .replace("`isolate_network` 'auto' or True. Received: isolate_network=False",
                      "the private network. Received: --noisolate_network")) from None
 
+    if FLAGS.check_links:
+        status = _check_links()
+        if status:
+            return status
     received = []
 
     def _terminate(signum, frame):
@@ -444,6 +469,9 @@ def main(argv):
         raise app.UsageError(f"--bandwidth limits the private network of a --local cluster; "
                              f"a cluster of separate machines runs on their own network. "
                              f"Received: --bandwidth={FLAGS.bandwidth} without --local")
+    if FLAGS.check_links and not FLAGS.local:
+        raise app.UsageError("--check_links measures a --local cluster's network. Received: "
+                             "--check_links without --local")
     if FLAGS.topology is not None and not FLAGS.local:
         raise app.UsageError(f"--topology connects the tasks of a --local cluster; a cluster "
                              f"of separate machines runs on their own network. Received: "
