@@ -235,7 +235,6 @@ def baseline_ratio(data, steps, repeats):
     return seconds, ratio_spread(ratios), int(baseline["tf MirroredStrategy"].count_params())
 
 
-
 def measure_exchange(names, steps, repeats):
     data = timing_data()
     # Batches of a size unknown when traced (Keras's own from arrays, `batch()` without

@@ -173,17 +173,17 @@ def record_parts(results, run_stamp, measured, kept=()):
     A report then never mixes parts of different commits unseen. `results["part_loads"]`
     likewise keeps each part's load average at the start and end of the run that measured it
     (a file measured over several sittings has one stamp, the last's)."""
-    earlier, earlier_stamp = commit_label(results.get("stamp")), results.get("stamp") or {}
-    earlier_load = {key: earlier_stamp[key] for key in ("load_before", "load_after")
-                    if key in earlier_stamp}
+    earlier = commit_label(results.get("stamp"))
     commits = {part: results.get("part_commits", {}).get(part, earlier) for part in kept}
     commits.update({part: commit_label(run_stamp) for part in measured})
     results["part_commits"] = commits
-    loads = {part: results.get("part_loads", {}).get(part, earlier_load) for part in kept}
+    # A kept part that predates per-part loads has none: not the file's last stamp's.
+    loads = {part: results["part_loads"][part] for part in kept
+             if part in results.get("part_loads", {})}
     now = {"load_before": run_stamp.get("load_before"),
            "load_after": load_note()["load_average_1_5_15"]}
     loads.update({part: now for part in measured})
-    results["part_loads"] = {part: load for part, load in loads.items() if load}
+    results["part_loads"] = loads
 
 
 def spread(values):
@@ -201,10 +201,12 @@ def ratio_spread(ratios):
     with tens of pairs min-max is the machine's worst moment, the quartiles its usual)."""
     import statistics
 
+    if not ratios:
+        return None
     if len(ratios) < 2:
         return {"median": ratios[0], "q1": ratios[0], "q3": ratios[0], "min": ratios[0],
                 "max": ratios[0], "pairs": len(ratios)}
-    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    q1, _, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
     return {"median": statistics.median(ratios), "q1": q1, "q3": q3, "min": min(ratios),
             "max": max(ratios), "pairs": len(ratios)}
 

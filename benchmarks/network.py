@@ -191,6 +191,8 @@ def main(argv):
                 if FLAGS.check_links:
                     results.setdefault("links", {})[f"{bandwidth}, N={workers}"] = links(
                         bandwidth, workers)
+                else:  # an earlier run's links are not this timing's
+                    results.get("links", {}).pop(f"{bandwidth}, N={workers}", None)
                 runs = {name: [] for name in chosen}
                 for repeat in range(FLAGS.timing_repeats):  # interleaved
                     for name in chosen:

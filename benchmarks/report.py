@@ -89,9 +89,9 @@ def compare(cell, reference):
     if not cell or not reference or cell.get("median") is None or not reference.get("median"):
         return None
     difference = abs(cell["median"] - reference["median"])
-    spread = max(cell["max"] - cell["min"], reference["max"] - reference["min"])
+    widest = max(cell["max"] - cell["min"], reference["max"] - reference["min"])
     return {"ratio": cell["median"] / reference["median"], "difference": difference,
-            "spread": spread, "no_difference": spread >= difference}
+            "spread": widest, "no_difference": widest >= difference}
 
 
 def comparison_text(comparison):
@@ -179,11 +179,11 @@ def _static_batch_note(exchange):
 def _ratio_spread_text(figures):
     """" (quartiles a–b, min–max c–d, of n pairs)" of a step-time ratio, where the run kept
     its spread (results from before it did have the median only)."""
-    spread = figures.get("step_time_ratio_spread")
-    if not spread:
+    ratio = figures.get("step_time_ratio_spread")
+    if not ratio:
         return ""
-    return (f" (quartiles {spread['q1']:.3f}–{spread['q3']:.3f}, min–max {spread['min']:.3f}–"
-            f"{spread['max']:.3f} of {spread['pairs']} neighbouring pairs)")
+    return (f" (quartiles {ratio['q1']:.3f}–{ratio['q3']:.3f}, min–max {ratio['min']:.3f}–"
+            f"{ratio['max']:.3f} of {ratio['pairs']} neighbouring pairs)")
 
 
 def compression_section(result):
@@ -321,9 +321,9 @@ def _links_text(result):
             continue
         got = [p / r["set_rate"] for p in r["pairs"]] if r.get("set_rate") else []
         held = f" ({min(got):.0%}–{max(got):.0%} of the set rate)" if got else ""
-        lines.append(f"{setting}: {len(r['pairs'])} pair(s), "
-                     f"{min(r['pairs']) / 1e6:,.0f}–{max(r['pairs']) / 1e6:,.0f} Mbit/s a "
-                     f"pair{held}")
+        lines.append(f"{setting}: {len(r['pairs'])} pair(s) on the {r.get('topology')} "
+                     f"network, {min(r['pairs']) / 1e6:,.0f}–{max(r['pairs']) / 1e6:,.0f} "
+                     f"Mbit/s a pair{held}, {r['aggregate'] / 1e6:,.0f} Mbit/s together")
     return ["Links, measured before each setting's timing (every pair of its workers sending "
             "at once, plain TCP, `tfdist.launch.links`): " + "; ".join(lines) + ".", ""]
 
@@ -781,7 +781,8 @@ def straggler_section(straggler):
             continue
         fraction = fraction_of_limit(r["baseline"].get("examples_per_second"), [limit])
         row = [name, _rows_per_update(r), _range(r["baseline"]["updates_per_second"]),
-               _range(r["baseline"].get("examples_per_second"), 0),
+               (_range(r["baseline"]["examples_per_second"], 0)
+                if "examples_per_second" in r["baseline"] else ""),
                "" if fraction is None else f"{fraction:.2f}"]
         for scenario in scenarios:
             done = r.get(scenario, {})
@@ -987,9 +988,8 @@ def quality_section(quality):
              + outer_note(quality.get("outer_optimizer"))
              + updated_note(quality.get("updated_modes")) + _load_text(quality), ""]
     single = quality["single process"]
-    spread = (f" ± {single['test_accuracy_std']:.4f}" if "test_accuracy_std" in single
-              else "")
-    rows = [["single process", "1", f"{single['test_accuracy_mean']:.4f}{spread}", "",
+    std = (f" ± {single['test_accuracy_std']:.4f}" if "test_accuracy_std" in single else "")
+    rows = [["single process", "1", f"{single['test_accuracy_mean']:.4f}{std}", "",
              f"{single['train_seconds_mean']:.1f}"]]
     sources = {"single process": part_commit(quality, "single process")}
     for group in (k for k in quality if k.endswith("workers")):
@@ -1046,9 +1046,9 @@ def write_report(out_dir, bandwidth_gbit=10.0, latency_us=50.0):
         capacity_result["derived_from"] = {
             "scaling.json": {"commit": commit_label(scaling.get("stamp")),
                              "run": (scaling.get("stamp") or {}).get("run")},
-            "compression.json (top-k ratio)": {
-                "commit": part_commit(compression, "exchange"),
-                "run": (compression.get("stamp") or {}).get("run")}}
+            "compression ratio": ({"compression.json top-k": part_commit(compression,
+                                                                         "exchange")}
+                                  if topk else "a fixed 100 (compression.json has no top-k)")}
         with open(_path("capacity.json"), "w") as f:
             json.dump(capacity_result, f, indent=1)
         plot_capacity(capacity_result, _path("capacity.png"))

@@ -132,17 +132,19 @@ class ReportTest(tf.test.TestCase):
                                                    "timing/1gbit, N=2": "b" * 12 + "+dirty"})
         self.assertEqual(report.part_commit(results, "timing/1gbit, N=2"), "b" * 12 + "+dirty")
         self.assertEqual(machine.commit_label(None), "not recorded")
-        # Each part keeps the load of the sitting that measured it; the report lists them.
-        self.assertEqual(results["part_loads"]["timing/100mbit, N=2"],
-                         {"load_before": [1.0, 1.0, 1.0], "load_after": [1.5, 1.0, 1.0]})
+        # Each part keeps the load of the sitting that measured it (a part measured before
+        # loads were kept per part has none); the report lists them where they differ.
+        self.assertEqual(list(results["part_loads"]), ["timing/1gbit, N=2"])
         self.assertEqual(results["part_loads"]["timing/1gbit, N=2"]["load_before"],
                          [1.0, 1.0, 1.0])
+        self.assertEqual(report._part_loads_text(results), "")
+        results["stamp"] = _stamp("b" * 40)
+        machine.record_parts(results, _stamp("c" * 40), ["timing/100mbit, N=2"],
+                             kept=["timing/1gbit, N=2"])
         results["part_loads"]["timing/1gbit, N=2"] = {"load_before": [3.0, 2, 1],
                                                       "load_after": [4.0, 2, 1]}
         self.assertIn("timing/1gbit, N=2: 3 / 2 / 1 to 4 / 2 / 1",
                       report._part_loads_text(results))
-        del results["part_loads"]["timing/1gbit, N=2"]
-        self.assertEqual(report._part_loads_text(results), "")
 
     def test_scaling_and_straggler_tables_give_spread_rows_and_examples(self):
         scaling = {"stamp": _stamp("f" * 40), "repeats": 3,
@@ -176,8 +178,8 @@ class ReportTest(tf.test.TestCase):
                                             "bytes_per_pair": 125000000},
                              "100mbit, N=2": {"error": "no namespaces"}}}
         text = " ".join(report._links_text(network))
-        self.assertIn("1gbit, N=8: 4 pair(s), 620–910 Mbit/s a pair (62%–91% of the set rate)",
-                      text)
+        self.assertIn("1gbit, N=8: 4 pair(s) on the switched network, 620–910 Mbit/s a pair "
+                      "(62%–91% of the set rate), 3,000 Mbit/s together", text)
         self.assertIn("100mbit, N=2: not measured (no namespaces)", text)
         self.assertEqual(report._links_text({}), [])
 
@@ -187,6 +189,9 @@ class ReportTest(tf.test.TestCase):
                          (1.1, 0.9, 1.3, 5))
         self.assertIn("min–max 0.900–1.300 of 5 neighbouring pairs",
                       report._ratio_spread_text({"step_time_ratio_spread": spread}))
+        two = machine.ratio_spread([1.0, 1.2])  # quartiles inside the min-max
+        self.assertTrue(1.0 <= two["q1"] <= two["q3"] <= 1.2, two)
+        self.assertIsNone(machine.ratio_spread([]))
         self.assertEqual(report._ratio_spread_text({"step_time_ratio": 1.05}), "")
 
     def test_report_names_commits_refuses_mixtures_and_gives_fractions(self):

@@ -200,7 +200,7 @@ class BandwidthTest(tf.test.TestCase):
 
     def _rate(self, bandwidth, size, **kwargs):
         ready = tempfile.mkdtemp(dir=self.get_temp_dir())
-        with LocalCluster([sys.executable, "-c", PAIRS, str(size), ready], num_ps=0,
+        with LocalCluster([sys.executable, "-c", PAIRS, str(size), ready, "30"], num_ps=0,
                           num_workers=2, output=None, timeout=60, bandwidth=bandwidth,
                           **kwargs) as cluster:
             result = cluster.wait()
@@ -294,15 +294,6 @@ class SwitchedNetworkTest(tf.test.TestCase):
                                         r"Mbit/s a pair")
         self.assertIn("JOB RAN", result.stdout + result.stderr)
 
-    def test_bad_link_measurements(self):
-        with self.assertRaisesRegex(ValueError, r"`num_workers` must be an integer >= 2 .*"
-                                                r"Received: 1"):
-            measure_links("20mbit", num_workers=1)
-        with self.assertRaisesRegex(ValueError, r"`seconds` must be a number > 0\. Received: 0"):
-            measure_links("20mbit", seconds=0)
-        with self.assertRaisesRegex(ValueError, r"`bandwidth` must be a rate"):
-            measure_links("fast")
-
     def test_the_switched_tasks_are_out_of_reach_from_outside(self):
         with LocalCluster([sys.executable, "-c", GREETER], num_ps=0, num_workers=1,
                           output=None, timeout=60, topology="switched",
@@ -352,6 +343,22 @@ class FallbackTest(tf.test.TestCase):
         with self.assertRaisesRegex(ValueError, "`outbound_network` must be 'auto' or False. "
                                                 "Received: True"):
             LocalCluster(["true"], outbound_network=True)
+
+
+class LinkArgumentsTest(tf.test.TestCase):
+    """measure_links refuses bad arguments before it starts anything."""
+
+    def test_bad_link_measurements(self):
+        with self.assertRaisesRegex(ValueError, r"`num_workers` must be an integer >= 2 .*"
+                                                r"Received: 1"):
+            measure_links("20mbit", num_workers=1)
+        with self.assertRaisesRegex(ValueError, r"`seconds` must be a number > 0\. Received: 0"):
+            measure_links("20mbit", seconds=0)
+        with self.assertRaisesRegex(ValueError, r"`bandwidth` must be a rate"):
+            measure_links("fast")
+        with self.assertRaisesRegex(ValueError, r"`timeout` must be a number > 0\. "
+                                                r"Received: None"):
+            measure_links("20mbit", timeout=None)
 
 
 if __name__ == "__main__":

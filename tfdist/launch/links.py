@@ -22,50 +22,62 @@ import tempfile
 from tfdist.launch.isolation import parse_bandwidth
 
 # Pairs of workers at once: each odd worker sends `size` bytes to the worker before it, once
-# every sender is connected (each leaves a file in argv 2); each receiver says the rate it
-# got, and when its first and last bytes came (this machine's clock). An odd worker count
-# leaves the last worker out.
+# every sender is connected (each leaves a file in argv 2), all within `limit` seconds (argv
+# 3); each receiver says the bytes it got, the rate, and when its first and last bytes came
+# (this machine's clock; the first chunk only starts the clock, tc lets a bucket's worth
+# through at once). An odd worker count leaves the last worker out.
 PAIRS = """
 import json, os, socket, sys, time
 config = json.loads(os.environ["TF_CONFIG"])
-size, ready = int(sys.argv[1]), sys.argv[2]
+size, ready, limit = int(sys.argv[1]), sys.argv[2], float(sys.argv[3])
 index, workers = config["task"]["index"], config["cluster"]["worker"]
 if index >= 2 * (len(workers) // 2):
     sys.exit(0)
 host, port = workers[index - index % 2].rsplit(":", 1)
-deadline = time.monotonic() + 30
+deadline = time.monotonic() + limit
 if index % 2 == 0:
     with socket.create_server(("", int(port))) as server:
-        server.settimeout(30)
+        server.settimeout(limit)
         connection, _ = server.accept()
         with connection:
-            got, start = 0, None
+            connection.settimeout(max(1.0, deadline - time.monotonic()))
+            got, first, start = 0, 0, None
             while got < size:
                 chunk = connection.recv(1 << 16)
                 if not chunk:
                     break
-                start = start or time.time()
+                if start is None:
+                    start, first = time.time(), len(chunk)
                 got += len(chunk)
             end = time.time()
-            print("RATE", index, got * 8 / (end - start), start, end, flush=True)
+    if got < size or end <= start:
+        sys.exit(f"worker {index}: got {got} of {size} bytes from worker {index + 1}")
+    print("RATE", index, (got - first) * 8 / (end - start), start, end, got, flush=True)
 else:
     while True:
         try:
             link = socket.create_connection((host, int(port)), timeout=5)
             break
         except OSError:
-            assert time.monotonic() < deadline, "the receiver never listened"
+            if time.monotonic() > deadline:
+                sys.exit(f"worker {index}: worker {index - 1} never listened")
             time.sleep(0.05)
     open(os.path.join(ready, str(index)), "w").close()
     while len(os.listdir(ready)) < len(workers) // 2:
-        assert time.monotonic() < deadline, "another sender never connected"
+        if time.monotonic() > deadline:
+            sys.exit(f"worker {index}: another sender never connected")
         time.sleep(0.005)
+    link.settimeout(max(1.0, deadline - time.monotonic()))
+    block = memoryview(b"x" * (1 << 20))
     with link:
-        link.sendall(b"x" * size)
+        left = size
+        while left:
+            left -= link.send(block[:min(left, len(block))])
 """
 
-# Bytes a pair sends without a rate limit (loopback's speed is the CPU's).
+# Bytes a pair sends without a rate limit (loopback's speed is the CPU's), and at least.
 UNLIMITED_BYTES = 64 << 20
+MIN_BYTES = 2 << 20
 
 
 @dataclasses.dataclass
@@ -74,10 +86,11 @@ class LinkRates:
 
     Attributes:
       set_rate: the rate the network was set to (None: no limit).
-      pairs: the rate each pair's receiver got, in the order of the receivers.
+      pairs: the rate each pair's receiver got, by the receiver's index (0, 2, 4...).
       aggregate: every pair's bytes over the time from the first byte to the last, either
         pair's: about `len(pairs) x set_rate` on a switch, `set_rate` on a hub.
-      topology: "switched" or "hub" (None: no private network).
+      topology: "switched", "hub" (one loopback every task shares) or "host" (the tasks ran
+        on this machine's own network: no private one).
       bytes_per_pair: what each pair sent.
     """
     set_rate: float
@@ -88,26 +101,33 @@ class LinkRates:
 
     def text(self):
         def mbit(bits):
-            return f"{bits / 1e6:,.1f}"
+            return f"{bits / 1e6:,.1f} Mbit/s"
 
-        held = ("" if not self.set_rate else
-                f", {min(self.pairs) / self.set_rate:.0%} of the set rate or more")
-        return (f"{len(self.pairs)} pair(s) sending at once on the {self.topology or 'host'} "
-                f"network (set: {'no limit' if not self.set_rate else mbit(self.set_rate)} "
-                f"Mbit/s): {' / '.join(mbit(p) for p in self.pairs)} Mbit/s a pair{held}; "
-                f"{mbit(self.aggregate)} Mbit/s together")
+        held = ""
+        if self.set_rate and self.topology != "hub":
+            held = f", {min(self.pairs) / self.set_rate:.0%} of the set rate or more"
+        elif self.set_rate:
+            held = (f" (on a hub the pairs share the set rate: together "
+                    f"{self.aggregate / self.set_rate:.0%} of it)")
+        return (f"{len(self.pairs)} pair(s) sending at once on the {self.topology} network "
+                f"(set: {mbit(self.set_rate) if self.set_rate else 'no limit'}): "
+                f"{' / '.join(mbit(p) for p in self.pairs)} a pair{held}; "
+                f"{mbit(self.aggregate)} together")
 
 
-def measure_links(bandwidth, num_workers=2, topology=None, seconds=1.0, timeout=60.0):
+def measure_links(bandwidth, num_workers=2, topology=None, seconds=1.0, timeout=60.0,
+                  isolate_network="auto"):
     """The rates pairs of workers get at once on a local cluster of this network.
 
     Args:
       bandwidth: the link rate, as `LocalCluster(bandwidth=)` takes it ("100mbit"), or None.
       num_workers: the cluster's workers (at least 2): `num_workers // 2` pairs send at once.
       topology: `LocalCluster(topology=)`: None (switched with a bandwidth), "switched", "hub".
-      seconds: how long each pair sends at the set rate (its bytes: rate x seconds; 64 MiB
-        without a limit).
-      timeout: seconds the whole measurement may take.
+      seconds: how long each pair sends at the set rate (its bytes: rate x seconds, at least
+        2 MiB; 64 MiB without a limit).
+      timeout: seconds the whole measurement may take (a pair that has not sent by then is
+        an error, not a low rate).
+      isolate_network: `LocalCluster(isolate_network=)`.
 
     Returns:
       A `LinkRates`.
@@ -122,23 +142,30 @@ def measure_links(bandwidth, num_workers=2, topology=None, seconds=1.0, timeout=
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 2:
         raise ValueError(f"`num_workers` must be an integer >= 2 (workers pair up to send). "
                          f"Received: {num_workers!r}")
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0:
-        raise ValueError(f"`seconds` must be a number > 0. Received: {seconds!r}")
+    for name, value in (("seconds", seconds), ("timeout", timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"`{name}` must be a number > 0. Received: {value!r}")
     rate = parse_bandwidth(bandwidth) if bandwidth is not None else None
-    size = int(rate * seconds / 8) if rate else UNLIMITED_BYTES
+    size = max(MIN_BYTES, int(rate * seconds / 8)) if rate else UNLIMITED_BYTES
+    pairs = num_workers // 2
     with tempfile.TemporaryDirectory() as ready:
-        cluster = LocalCluster([sys.executable, "-c", PAIRS, str(size), ready], num_ps=0,
-                               num_workers=num_workers, output=None, timeout=timeout,
-                               bandwidth=bandwidth, topology=topology,
-                               outbound_network=False)
+        cluster = LocalCluster([sys.executable, "-c", PAIRS, str(size), ready, repr(timeout)],
+                               num_ps=0, num_workers=num_workers, output=None,
+                               timeout=timeout + 30.0, bandwidth=bandwidth, topology=topology,
+                               outbound_network=False, isolate_network=isolate_network)
         with cluster:
+            private = cluster.network is not None  # (gone once the cluster has stopped)
             result = cluster.wait()
-    said = [line.split()[2:] for task, line in cluster.lines if line.startswith("RATE")]
-    if result.returncode or len(said) != num_workers // 2:
-        raise RuntimeError(f"measuring the links of {num_workers} workers at {bandwidth} did "
-                           f"not finish: {result.message or 'not every pair reported'}; last "
-                           f"lines: {[line for _, line in cluster.lines[-5:]]}")
-    starts, ends = ([float(s) for _, s, _ in said], [float(e) for _, _, e in said])
-    return LinkRates(set_rate=rate, pairs=[float(r) for r, _, _ in said],
-                     aggregate=len(said) * size * 8 / (max(ends) - min(starts)),
-                     topology=cluster.topology, bytes_per_pair=size)
+    said = sorted((line.split()[1:] for _, line in cluster.lines if line.startswith("RATE ")),
+                  key=lambda fields: int(fields[0]))
+    if result.returncode or len(said) != pairs:
+        why = (result.message if result.returncode else
+               f"{len(said)} of {pairs} pair(s) reported")
+        raise RuntimeError(f"measuring the links of {num_workers} workers at "
+                           f"{bandwidth or 'no limit'} did not finish: {why}; last lines: "
+                           f"{[line for _, line in cluster.lines[-5:]]}")
+    starts, ends = [float(f[2]) for f in said], [float(f[3]) for f in said]
+    topology = cluster.topology if private else "host"
+    return LinkRates(set_rate=rate, pairs=[float(f[1]) for f in said],
+                     aggregate=sum(int(f[4]) for f in said) * 8 / (max(ends) - min(starts)),
+                     topology=topology, bytes_per_pair=size)

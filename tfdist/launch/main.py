@@ -86,8 +86,9 @@ flags.DEFINE_enum("topology", None, ["switched", "hub"],
                   "--bandwidth, else hub.")
 flags.DEFINE_bool("check_links", False,
                   "With --local: before the job, measure the rate pairs of workers get at once "
-                  "on the cluster's network (tfdist.launch.links) and print it: on few cores "
-                  "a high --bandwidth over many links may not be reached.")
+                  "on a cluster of the job's network (tfdist.launch.links) and print it: on "
+                  "few cores a high --bandwidth over many links may not be reached. A "
+                  "measurement that cannot finish stops the launch (exit code 1).")
 flags.DEFINE_float("grace_period", 3.0,
                    "With --local: seconds the other tasks get after one fails.", lower_bound=0)
 flags.DEFINE_bool("preload", False,
@@ -260,7 +261,12 @@ def _check_links():
 
     workers = max(2, FLAGS.num_workers)
     try:
-        rates = measure_links(FLAGS.bandwidth, num_workers=workers, topology=FLAGS.topology)
+        rates = measure_links(FLAGS.bandwidth, num_workers=workers, topology=FLAGS.topology,
+                              isolate_network="auto" if FLAGS.isolate_network else False,
+                              **({} if FLAGS.timeout is None else {"timeout": FLAGS.timeout}))
+    except KeyboardInterrupt:
+        print("[tfdist-launch] SIGINT; every task stopped", file=sys.stderr)
+        return 128 + signal.SIGINT
     except (IsolationUnavailable, RuntimeError) as e:
         print(f"[tfdist-launch] --check_links: cannot measure the links: {e}", file=sys.stderr)
         return 1
