@@ -299,11 +299,12 @@ def derive(figures):
 def estimates(rows):
     """Documented estimates of one worker step's bytes (both ways, payload only): rows-only
     (each distinct row a batch touches read once, its gradient and int64 id pushed once, the
-    dense part both ways); every id (what tfdist's step moves with the tables on the ps,
-    which it counts in `bytes_on_wire`: each id the batch looks up, repeated ones included,
-    sent as the model feeds it (int32) and its row back, its gradient row and int64 id
-    pushed, the dense part both ways); and the whole model both ways (a worker that mirrors
-    every table and exchanges its whole shard, as tfdist before issue 21)."""
+    dense part both ways: what tfdist's step moves with the tables on the ps, `tfdist_moves`,
+    since a lookup sends each distinct id once, besides those ids); every id (each id the
+    batch looks up, repeated ones included, sent as the model feeds it (int32) and its row
+    back, its gradient row and int64 id pushed, the dense part both ways: what tfdist's step
+    moved before that); and the whole model both ways (a worker that mirrors every table and
+    exchanges its whole shard, as tfdist before issue 21)."""
     unique = job.unique_rows_per_batch(rows, FLAGS.batch_size)
     dense = job.parameters(rows) - job.EMBEDDING_DIM * sum(job.table_rows(rows).values())
     row_bytes = 4 * job.EMBEDDING_DIM
@@ -312,7 +313,8 @@ def estimates(rows):
     return {"unique_rows_per_batch": unique, "parameters": job.parameters(rows),
             "rows_only_bytes_per_worker_step": rows_only,
             "every_id_bytes_per_worker_step": ids * (4 + 8 + 2 * row_bytes) + 2 * 4 * dense,
-            "whole_model_bytes_per_worker_step": 2 * 4 * job.parameters(rows)}
+            "whole_model_bytes_per_worker_step": 2 * 4 * job.parameters(rows),
+            "tfdist_moves": "rows_only"}
 
 
 def summarize(runs):

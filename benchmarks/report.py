@@ -490,6 +490,21 @@ def _repeats_made(result):
     return max((len(cell["runs"]) for cell in result["cells"]), default=0)
 
 
+def _nearest(result):
+    """Which estimate ("rows_only" or "every_id") tfdist's measured bytes per worker step are
+    nearest to, for results that do not say what its step moves (those from before lookups
+    moved each distinct id once, and the first runs after)."""
+    votes = []
+    for cell in result.get("cells", []):
+        measured = (cell.get("bytes_per_worker_step") or {}).get("median")
+        e = result["estimates"].get(str(cell.get("rows")), {})
+        if cell.get("system") in ("async", "hard_sync") and measured and e.get(
+                "every_id_bytes_per_worker_step"):
+            votes.append(min(("rows_only", "every_id"), key=lambda k: abs(
+                measured - e[f"{k}_bytes_per_worker_step"])))
+    return max(set(votes), key=votes.count) if votes else None
+
+
 def embedding_section(result, plot="embedding.png"):
     """Tables on the ps (`benchmarks/embedding.py`): rate, bytes, memory and accuracy of
     every system against V."""
@@ -527,10 +542,14 @@ def embedding_section(result, plot="embedding.png"):
              *([f"{e['every_id_bytes_per_worker_step']:,.0f}"] if every_id else []),
              f"{e['whole_model_bytes_per_worker_step']:,.0f}"]
             for v, e in result["estimates"].items()]
+    moves = next(iter(result["estimates"].values()), {}).get("tfdist_moves") or _nearest(result)
+    rows_note = (": what tfdist's step moves, besides the distinct ids it looks up"
+                 if moves == "rows_only" else "")
+    every_note = ("what tfdist's step moves: " if moves == "every_id" else "")
     parts += ["Estimates (payload only) of one worker step's bytes: rows only (each distinct row "
-              "a batch touches read once, its gradient and id pushed once, the dense part both "
-              "ways)"
-              + (", every id (what tfdist's step moves: each id looked up, repeated ones "
+              f"a batch touches read once, its gradient and id pushed once, the dense part both "
+              f"ways{rows_note})"
+              + (f", every id ({every_note}each id looked up, repeated ones "
                  "included, sent and its row back, its gradient row and id pushed, the dense "
                  "part both ways)" if every_id else "")
               + " and the whole model both ways:", "",

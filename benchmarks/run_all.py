@@ -299,9 +299,13 @@ def measure_scaling(worker_counts, window, repeats=3):
 
 
 def _import_from_this_tree():
-    """Every task this run starts imports tfdist from this tree, not an installed copy."""
+    """Every task this run starts, and this process (the scaling runs' clusters), imports
+    tfdist from this tree, not an installed copy (nor none: a worktree need not be
+    installed)."""
     path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = ROOT + (os.pathsep + path if path else "")
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
 
 
 def main(argv):

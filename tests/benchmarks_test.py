@@ -10,6 +10,7 @@ import os
 import re
 import sys
 import tempfile
+from unittest import mock
 
 import tensorflow as tf
 
@@ -272,6 +273,18 @@ def _embedding_fixture():
 
 
 class EmbeddingReportTest(tf.test.TestCase):
+
+    def test_the_estimate_tfdist_moves_is_named_or_found_from_the_bytes(self):
+        result = _embedding_fixture()
+        for estimate in result["estimates"].values():  # measured: 50,000 bytes a step
+            estimate.update(rows_only_bytes_per_worker_step=60000.0,
+                            every_id_bytes_per_worker_step=120000.0)
+        text = "\n".join(report.embedding_section(result))
+        self.assertIn("both ways: what tfdist's step moves, besides the distinct ids", text)
+        for estimate in result["estimates"].values():
+            estimate["tfdist_moves"] = "every_id"
+        text = "\n".join(report.embedding_section(result))
+        self.assertIn("every id (what tfdist's step moves: each id looked up", text)
 
     def test_table_compares_each_cell_with_the_peer_its_smallest_v_and_one_process(self):
         text = "\n".join(report.embedding_section(_embedding_fixture()))
@@ -578,6 +591,15 @@ class ResumeTest(tf.test.TestCase):
             self.assertEqual(len(json.load(f)["sittings"]), 1)  # nothing was left to run
         with open(os.path.join(out, "report.md")) as f:
             self.assertIn(f"at commit `{code['commit'][:12]}`, in 1 sitting", f.read())
+
+    def test_the_run_and_its_tasks_import_tfdist_from_its_tree(self):
+        # A worktree at the measured commit need not be installed: run_all's own process
+        # (the scaling runs' clusters) and every task it starts import tfdist from it.
+        with mock.patch.dict(os.environ, {"PYTHONPATH": "elsewhere"}), \
+                mock.patch.object(sys, "path", ["first"]):
+            run_all._import_from_this_tree()
+            self.assertEqual(sys.path[0], run_all.ROOT)
+            self.assertEqual(os.environ["PYTHONPATH"], run_all.ROOT + os.pathsep + "elsewhere")
 
     def test_an_unfinished_run_is_not_replaced_without_new_run(self):
         out = self.get_temp_dir()
