@@ -1,12 +1,12 @@
 """One command regenerates every benchmark table from the current commit, then the report.
 
     python benchmarks/run_all.py --size=smoke            # the harness end to end, minutes
-    python benchmarks/run_all.py --size=quick --peer_python=PEER/bin/python  # 2 hours or so
+    python benchmarks/run_all.py --size=quick --peer_python=PEER/bin/python  # 2.5 hours or so
     python benchmarks/run_all.py --size=full --peer_python=PEER/bin/python   # hours
 
 The quick size makes every comparison the README quotes, at short windows, fewer codecs and
 table sizes: a reviewer re-running it checks the full run's conclusions (the verdicts, not
-the last digit) in 2 hours or so on 2 cores, against the full size's 5.5.
+the last digit) in 2.5 hours or so on 2 cores, against the full size's 5.5.
 
 Runs rates, straggler, quality, scaling, compression, network (compression on a switched,
 rate-limited network), network_sgp (Stochastic Gradient Push there), embedding (embedding
@@ -62,7 +62,7 @@ def define_flags():
                       "smoke: every benchmark at its smallest settings, minutes (the harness "
                       "works end to end; its figures are not for quoting); quick: every "
                       "comparison the README quotes, at short windows and fewer codecs and "
-                      "table sizes (2 hours or so on 2 cores: the same conclusions, to check "
+                      "table sizes (2.5 hours or so on 2 cores: the same conclusions, to check "
                       "them); full: the settings the README quotes (hours).")
     flags.DEFINE_string("out_dir", os.path.join("benchmarks", "results"), "Where results go.")
     flags.DEFINE_string("peer_python", None, "Python of an environment with tensorflow and "
