@@ -78,11 +78,12 @@ def finish(run_stamp):
     return {**run_stamp, "load_after": load_note()["load_average_1_5_15"]}
 
 
-def resume_problems(then, now, settings_then=None, settings_now=None):
+def resume_problems(then, now, settings_then=None, settings_now=None, same_machine=True):
     """Why a run stamped `then` (its `code_note` and `machine`) cannot be carried on by one
     stamped `now`: another commit (or none known), a dirty tree (or one not known) on either
-    side, another machine, other settings (each a dict, the key `complete` aside). An empty
-    list: it can."""
+    side, another machine (unless `same_machine` is False: run_all.py's runs, whose
+    benchmarks each stay on one machine), other settings (each a dict, the key `complete`
+    aside). An empty list: it can."""
     problems = []
     if then.get("commit") != now.get("commit"):
         problems.append(f"it was measured at commit {then.get('commit')}, this checkout is "
@@ -94,9 +95,9 @@ def resume_problems(then, now, settings_then=None, settings_now=None):
         problems.append("a run is only carried on from a clean tree (tfdist/ and benchmarks/ "
                         "as committed)")
     machine_then, machine_now = then.get("machine"), now.get("machine")
-    if machine_kind(machine_then) != machine_kind(machine_now):
-        problems.append(f"it was measured on another machine ({_machine_text(machine_then)}; "
-                        f"this one: {_machine_text(machine_now)})")
+    if same_machine and not same_kind(machine_then, machine_now):
+        problems.append(f"it was measured on another machine ({machine_text(machine_then)}; "
+                        f"this one: {machine_text(machine_now)})")
     old = {k: v for k, v in (settings_then or {}).items() if k != "complete"}
     new = {k: v for k, v in (settings_now or {}).items() if k != "complete"}
     differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
@@ -119,7 +120,18 @@ def machine_kind(machine):
     return {key: (machine or {}).get(key) for key in MACHINE_KIND}
 
 
-def _machine_text(machine):
+def kind_text(machine):
+    """A `machine_note`'s kind (`MACHINE_KIND`) in words."""
+    kind = machine_kind(machine)
+    return f"{kind['cpus']} cores, {kind['cpu_model']}, {kind['memory_gib']} GiB"
+
+
+def same_kind(machine, other):
+    """Whether two `machine_note`s are of one kind (`MACHINE_KIND`)."""
+    return machine_kind(machine) == machine_kind(other)
+
+
+def machine_text(machine):
     if not machine:
         return "not recorded"
     return (f"{machine.get('cpus')} cores ({machine.get('cpu_model')}), "

@@ -24,7 +24,7 @@ sys.path.insert(0, HERE)
 
 import capacity  # noqa: E402
 from machine import commit_label  # noqa: E402
-from machine import machine_kind  # noqa: E402
+from machine import kind_text  # noqa: E402
 from machine import spread  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -631,7 +631,7 @@ def run_text(out_dir, present):
                   else f" (started {sittings[0]['started']})")
     hosts = {json.dumps(s.get("machine"), sort_keys=True) for s in sittings if s.get("machine")}
     if len(hosts) > 1:
-        count += (f" on {len(hosts)} machines of one kind ({_machine_kind_text(run)}; "
+        count += (f" on {len(hosts)} machines of one kind ({kind_text(run.get('machine'))}; "
                   f"`run_all.json` records each sitting's)")
     text = (f"This run: `run_all.py --size={run.get('size')}`"
             f"{' with the tf_keras peer' if run.get('peer') else ' (no peer rows)'} at commit "
@@ -654,10 +654,6 @@ def run_text(out_dir, present):
                  "commits): " + ", ".join(others) + ".")
     return [text, ""]
 
-
-def _machine_kind_text(run):
-    kind = machine_kind(run.get("machine"))
-    return f"{kind['cpus']} cores, {kind['cpu_model']}, {kind['memory_gib']} GiB"
 
 
 def _merged_text(result):

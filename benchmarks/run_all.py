@@ -21,13 +21,17 @@ records it, the report shows it).
 The full size takes longer than many machines are lent for at a time (about 5.5 hours on 2
 cores, the embedding matrix about 2 of them). `--resume` carries on a run that was stopped:
 `run_all.json` in --out_dir records the run (an id, its commit, machine, size and peer, each
-benchmark's sittings), and a resumed run refuses to go on from another commit, a dirty tree,
-another machine, size or peer; it skips the benchmarks that finished and reruns the one that
+benchmark's sittings and machine), and a resumed run refuses to go on from another commit, a
+dirty tree, size or peer; it skips the benchmarks that finished and reruns the one that
 was stopped (a result file two benchmarks share keeps the part of the one that finished),
 except the embedding matrix, which carries on from its last finished run
-(`embedding.py --resume`: its runs stay interleaved). A run left unfinished is not replaced
-by a new one unless `--new_run` says so. Every benchmark stamps the run's id; the report's
-header names the run, its sittings, and every result file in the directory not of it.
+(`embedding.py --resume`: its runs stay interleaved). Each benchmark is measured on one
+machine (its ratios compare runs of one machine): a sitting on a machine of another kind
+(cores, CPU model, memory) keeps the benchmarks that finished, each naming its machine, and
+begins a stopped one again from nothing, the embedding matrix too. A run left unfinished is
+not replaced by a new one unless `--new_run` says so. Every benchmark stamps the run's id;
+the report's header names the run, its sittings, and every result file in the directory not
+of it.
 
 The tasks import tfdist from this tree (its root goes first on PYTHONPATH): a run from a
 second checkout (a worktree at the commit to measure) measures that checkout, not the
@@ -46,10 +50,12 @@ from absl import flags
 from machine import RUN_VARIABLE
 from machine import code_note
 from machine import finish
+from machine import kind_text
 from machine import load_note
 from machine import machine_note
 from machine import resume_problems
 from machine import run_cluster
+from machine import same_kind
 from machine import spread
 from machine import stamp
 from machine import write_json
@@ -196,18 +202,25 @@ class Manifest:
             raise app.UsageError(f"--resume: no run to resume: {path} does not exist (run "
                                  f"without --resume to start one)")
         problems = resume_problems(record, code, {k: record.get(k) for k in ("size", "peer")},
-                                   {"size": size, "peer": peer})
+                                   {"size": size, "peer": peer}, same_machine=False)
         if problems:
             raise app.UsageError(f"--resume: {path} records a run this invocation cannot "
                                  f"carry on: {'; '.join(problems)}. A run is measured from one "
-                                 f"clean commit on one machine with one size and peer: carry "
-                                 f"it on there, or start a new run (--new_run).")
+                                 f"clean commit with one size and peer: carry it on from "
+                                 f"there, or start a new run (--new_run).")
         return cls(path, record)
 
-    def start(self, name):
+    def start(self, name, machine):
+        """`name` begins a sitting on `machine` (a `machine_note`): one of another kind than
+        its last sitting's begins it again (`plan`), the record says so."""
         entry = self.record["benchmarks"].setdefault(name, {"sittings": 0})
+        if entry["sittings"] and moved(self.record, name, machine):
+            then = kind_text(benchmark_machine(self.record, name))
+            entry.update(sittings=0, begun_again=f"stopped after {entry['sittings']} "
+                         f"sitting(s) on {then}, begun again from nothing on this machine")
         entry["sittings"] += 1
         entry["started"] = _now()
+        entry["machine"] = machine
         entry.pop("failed", None)
         self._write()
 
@@ -235,27 +248,44 @@ def unfinished(record):
     return [name for name, entry in record["benchmarks"].items() if not entry.get("finished")]
 
 
-def plan(chosen, size, record):
-    """What a sitting of the run `record` runs, in order: `(name, script, result file,
-    fresh, carry_on)` for each benchmark of `chosen` that the run has not finished. `fresh`:
-    its file is removed first, unless a benchmark of the run that writes the same file has
-    started (`network` and `network_n8` both write network.json: each keeps the other's
-    part); `carry_on`: it carries on from its own partial result (`RESUMABLE`, started in an
-    earlier sitting). `script` None: the scaling runs, made here."""
+def benchmark_machine(record, name):
+    """The machine benchmark `name` of the run `record` last sat on (a record written before
+    benchmarks named theirs: the run's)."""
+    return record["benchmarks"].get(name, {}).get("machine") or record.get("machine")
+
+
+def moved(record, name, machine):
+    """Whether benchmark `name`, started in the run `record`, last sat on a machine of
+    another kind than `machine` (None: not known, taken as the same)."""
+    return (name in record["benchmarks"] and machine is not None
+            and not same_kind(benchmark_machine(record, name), machine))
+
+
+def plan(chosen, size, record, machine=None):
+    """What a sitting of the run `record` on `machine` runs, in order: `(name, script,
+    result file, fresh, carry_on)` for each benchmark of `chosen` that the run has not
+    finished. `fresh`: its file is removed first, unless a benchmark of the run that writes
+    the same file has started (`network` and `network_n8` both write network.json: each
+    keeps the other's part); `carry_on`: it carries on from its own partial result
+    (`RESUMABLE`, started in an earlier sitting on a machine of this kind: one stopped on
+    another kind begins again from nothing). `script` None: the scaling runs, made here."""
     started = record["benchmarks"]
     files = {name: (entry[2] if len(entry) > 2 else name)
              for name, entry in BENCHMARKS.items()}
     files["scaling"] = "scaling"
-    started_files = {files[name] for name in started if name in files}
     steps, freshened = [], set()
     for name, (script, sizes, *_) in [*BENCHMARKS.items(), ("scaling", (None, {}))]:
         if (name not in chosen or (script is not None and sizes[size] is None)
                 or started.get(name, {}).get("finished")):
             continue
         file = files[name]
-        fresh = file not in started_files and file not in freshened
+        again = moved(record, name, machine)
+        others = {files[other] for other in started
+                  if other in files and (other != name or not again)}
+        fresh = file not in others and file not in freshened
         freshened.add(file)
-        steps.append((name, script, file, fresh, name in RESUMABLE and name in started))
+        steps.append((name, script, file, fresh,
+                      name in RESUMABLE and name in started and not again))
     return steps
 
 
@@ -331,7 +361,7 @@ def main(argv):
         manifest = Manifest.new(path, code, FLAGS.size, peer)
     # Every benchmark started stamps the run it belongs to (the report flags others).
     os.environ[RUN_VARIABLE] = manifest.record["run"]
-    steps = plan(chosen, FLAGS.size, manifest.record)
+    steps = plan(chosen, FLAGS.size, manifest.record, code["machine"])
     if steps:
         manifest.sitting()
     failed = []
@@ -339,7 +369,7 @@ def main(argv):
         if fresh:
             _fresh(file)
         start = time.monotonic()
-        manifest.start(name)
+        manifest.start(name, code["machine"])
         try:
             if script is None:
                 write_json(_path("scaling.json"), measure_scaling(*SCALING[FLAGS.size]))

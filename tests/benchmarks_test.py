@@ -647,6 +647,43 @@ class ResumeTest(tf.test.TestCase):
                                                            {"benchmarks": {}})])
         self.assertEqual(run_all.unfinished(record), ["embedding", "faults"])
 
+    def test_a_sitting_on_another_kind_of_machine_begins_stopped_benchmarks_again(self):
+        amd = {"cpus": 2, "cpu_model": "AMD EPYC", "memory_gib": 23.5}
+        intel = dict(amd, cpu_model="Intel Xeon", memory_gib=23.6)
+        everything = [*run_all.BENCHMARKS, "scaling"]
+        record = {"commit": "a" * 40, "dirty": False, "size": "full", "peer": True,
+                  "machine": amd, "benchmarks": {
+                      name: {"finished": True, "sittings": 1, "machine": amd}
+                      for name in ("rates", "straggler", "quality", "compression", "network")}}
+        record["benchmarks"]["network_n8"] = {"sittings": 1}  # (no machine: the run's)
+        record["benchmarks"]["embedding"] = {"sittings": 2, "machine": amd}
+        # On the same kind the matrix carries on; on another it begins again from nothing
+        # (its file removed), and network_n8 keeps the finished network's part of the file.
+        same = run_all.plan(everything, "full", record, dict(amd, system="other host"))
+        self.assertIn(("embedding", False, True), [(n, f, c) for n, _, _, f, c in same])
+        steps = run_all.plan(everything, "full", record, intel)
+        self.assertEqual([(name, f, c) for name, _, _, f, c in steps], [
+            ("network_n8", False, False), ("network_sgp", True, False),
+            ("embedding", True, False), ("faults", True, False), ("scaling", True, False)])
+        # The resumed run is carried on (the commit, tree, size and peer are its own), and
+        # the record names each benchmark's machine and the one begun again.
+        path = os.path.join(self.get_temp_dir(), "run_all.json")
+        machine.write_json(path, record)
+        manifest = run_all.Manifest.resumed(path, {"commit": "a" * 40, "dirty": False,
+                                                   "machine": intel}, "full", True)
+        manifest.start("embedding", intel)
+        manifest.start("faults", intel)
+        with open(path) as f:
+            entries = json.load(f)["benchmarks"]
+        self.assertEqual((entries["embedding"]["sittings"], entries["embedding"]["machine"]),
+                         (1, intel))
+        self.assertEqual(entries["embedding"]["begun_again"],
+                         "stopped after 2 sitting(s) on 2 cores, AMD EPYC, 23.5 GiB, begun "
+                         "again from nothing on this machine")
+        self.assertEqual(entries["faults"], {"sittings": 1, "started": mock.ANY,
+                                             "machine": intel})
+        self.assertEqual(entries["rates"]["machine"], amd)
+
     def test_an_interleaved_matrix_carries_on_where_it_stopped(self):
         keys = ["a", "b", "once"]
         every = list(machine.interleaved(keys, 3, {}, once=lambda key: key == "once"))
