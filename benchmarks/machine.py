@@ -184,7 +184,9 @@ def record_parts(results, run_stamp, measured, kept=()):
     run whose figures `results` still holds (call it before replacing `results["stamp"]`).
     A report then never mixes parts of different commits unseen. `results["part_loads"]`
     likewise keeps each part's load average at the start and end of the run that measured it
-    (a file measured over several sittings has one stamp, the last's)."""
+    (a file measured over several sittings has one stamp, the last's), and
+    `results["part_machines"]` its machine (two benchmarks of run_all.py that share a file
+    may sit on different machines)."""
     earlier = commit_label(results.get("stamp"))
     commits = {part: results.get("part_commits", {}).get(part, earlier) for part in kept}
     commits.update({part: commit_label(run_stamp) for part in measured})
@@ -196,6 +198,10 @@ def record_parts(results, run_stamp, measured, kept=()):
            "load_after": load_note()["load_average_1_5_15"]}
     loads.update({part: now for part in measured})
     results["part_loads"] = loads
+    machines = {part: results["part_machines"][part] for part in kept
+                if part in results.get("part_machines", {})}
+    machines.update({part: run_stamp.get("machine") for part in measured})
+    results["part_machines"] = machines
 
 
 def spread(values):

@@ -3,9 +3,10 @@
     python benchmarks/run_all.py --size=quick     # measures everything, then calls this
     python benchmarks/report.py --out_dir=benchmarks/results   # the report alone, again
 
-Every table names the commit its figures were measured at (the stamp each benchmark writes
-into its JSON, `machine.stamp`), and a table whose figures come from different commits is
-refused: the refusal stands in its place, naming the commits. Rate tables compare cells
+Every table names the commit and the kind of machine its figures were measured at (the
+stamp each benchmark writes into its JSON, `machine.stamp`), and a table whose figures come
+from different commits, or whose timings come from different kinds of machine, is refused:
+the refusal stands in its place, naming them. Rate tables compare cells
 by their medians, and a difference smaller than the cells' spread (the wider of the two
 min-max ranges) is reported as "no difference"; each row's examples per second is also
 given as a fraction of the one-process limit measured in the same run.
@@ -47,34 +48,62 @@ def part_commit(result, part):
     return result.get("part_commits", {}).get(part) or commit_label(result.get("stamp"))
 
 
+def measured(result, part=None):
+    """`(commit, machine)` that measured `part` of a result file (None: the whole file), a
+    table's source: the commit's label and the machine's kind (`kind_text`; None where not
+    recorded). A part's machine where the file records it (`machine.record_parts`), else the
+    file's last stamp's."""
+    machine = (result.get("part_machines", {}).get(part)
+               or (result.get("stamp") or {}).get("machine"))
+    commit = part_commit(result, part) if part else commit_label(result.get("stamp"))
+    return commit, kind_text(machine) if machine else None
+
+
 def one_commit(sources):
     """The commit every source of a table was measured at.
 
     Args:
-      sources: `{what: commit label}`, e.g. `{"scaling.json": "0123abcd4567"}`.
+      sources: `{what: commit label}`, e.g. `{"scaling.json": "0123abcd4567"}`, or `{what:
+        (commit label, machine kind)}` (`measured`) for figures that depend on the machine.
 
     Raises:
-      MixedCommits: the sources name more than one commit (the message says which is which).
+      MixedCommits: the sources name more than one commit, or more than one kind of machine
+        (the message says which is which).
     """
-    commits = sorted(set(sources.values()))
-    if len(commits) != 1:
-        by_commit = "; ".join(
-            f"{commit}: {', '.join(sorted(w for w, c in sources.items() if c == commit))}"
-            for commit in commits)
-        raise MixedCommits(f"its figures come from {len(commits)} commits ({by_commit}); "
-                           "measure them again in one run (benchmarks/run_all.py)")
-    return commits[0]
+    commits = {what: _commit_of(source) for what, source in sources.items()}
+    _one_of(commits, "commits", "in one run (benchmarks/run_all.py)")
+    _one_of({what: source[1] for what, source in sources.items()
+             if isinstance(source, tuple) and source[1]}, "kinds of machine",
+            "on one machine: a ratio compares runs of one machine")
+    return next(iter(commits.values()))
+
+
+def _commit_of(source):
+    return source[0] if isinstance(source, tuple) else source
+
+
+def _one_of(labels, plural, remedy):
+    """Raises MixedCommits where `labels` (`{what: label}`) hold more than one label."""
+    distinct = sorted(set(labels.values()))
+    if len(distinct) > 1:
+        by_label = "; ".join(
+            f"{label}: {', '.join(sorted(w for w, x in labels.items() if x == label))}"
+            for label in distinct)
+        raise MixedCommits(f"its figures come from {len(distinct)} {plural} ({by_label}); "
+                           f"measure them again {remedy}")
 
 
 def commit_line(sources):
-    """(True, "Measured at commit ...") or (False, "Refused: ...") for a table."""
+    """(True, "Measured at commit ... on ...") or (False, "Refused: ...") for a table."""
     try:
         commit = one_commit(sources)
     except MixedCommits as e:
         return False, f"**Table refused**: {e}."
+    kinds = {source[1] for source in sources.values() if isinstance(source, tuple)} - {None}
+    on = f" on {kinds.pop()}" if kinds else ""
     if commit == "not recorded":
-        return True, "Commit not recorded (results from before the harness stamped them)."
-    return True, f"Measured at commit `{commit}`."
+        return True, f"Commit not recorded (results from before the harness stamped them){on}."
+    return True, f"Measured at commit `{commit}`{on}."
 
 
 def compare(cell, reference):
@@ -264,7 +293,7 @@ def network_section(result):
              "ring all-reduce's over it." + _load_text(result) + _part_loads_text(result), ""]
     timing = result.get("timing", {})
     settings = sorted(timing)
-    ok, line = commit_line({f"timing/{s}": part_commit(result, f"timing/{s}")
+    ok, line = commit_line({f"timing/{s}": measured(result, f"timing/{s}")
                             for s in settings})
     if settings:
         parts += [f"Step times. {line} \"of the limit\": the step time of one process (plain "
@@ -291,7 +320,7 @@ def network_section(result):
             rows.append(row)
         parts += [_table(header, rows), ""] + _links_text(result)
     accuracy = result.get("accuracy", {})
-    ok, line = commit_line({"accuracy": part_commit(result, "accuracy")})
+    ok, line = commit_line({"accuracy": measured(result, "accuracy")})
     if accuracy and not ok:
         parts += [line, ""]
     elif accuracy:
@@ -399,7 +428,7 @@ def rates_section(rates):
         return parts + ["This rates.json predates the harness (no repeats' spread, no commit, "
                         "unequal work under MultiWorkerMirrored): measure it again with "
                         "`benchmarks/run_all.py`.", ""]
-    ok, line = commit_line({"rates.json": commit_label(rates.get("stamp"))})
+    ok, line = commit_line({"rates.json": measured(rates)})
     parts += [line + " " + (
         f"{rates['num_workers']} workers, {rates['job']}, {rates['network']}. Equal work: "
         f"every worker computes {rates['rows_per_worker_step']} rows a step in every row "
@@ -630,14 +659,26 @@ def run_text(out_dir, present):
                   f"{sittings[-1]['started']})" if len(sittings) > 1
                   else f" (started {sittings[0]['started']})")
     hosts = {json.dumps(s.get("machine"), sort_keys=True) for s in sittings if s.get("machine")}
-    if len(hosts) > 1:
+    kinds = {kind_text(s["machine"]) for s in sittings if s.get("machine")}
+    if len(kinds) > 1:
+        on = {}
+        for name, entry in benchmarks.items():
+            on.setdefault(kind_text(entry.get("machine") or run.get("machine")), []).append(name)
+        count += (f" on {len(kinds)} kinds of machine, each benchmark on one ("
+                  + "; ".join(f"{', '.join(names)}: {kind}" for kind, names in on.items())
+                  + "; `run_all.json` records each sitting's)")
+    elif len(hosts) > 1:
         count += (f" on {len(hosts)} machines of one kind ({kind_text(run.get('machine'))}; "
                   f"`run_all.json` records each sitting's)")
+    again = [f"{name} ({entry['begun_again']})" for name, entry in benchmarks.items()
+             if entry.get("begun_again")]
     text = (f"This run: `run_all.py --size={run.get('size')}`"
             f"{' with the tf_keras peer' if run.get('peer') else ' (no peer rows)'} at commit "
             f"`{commit_label(run)}`, in {count}. Finished: {', '.join(finished) or 'none'}."
             + (f" Failed: {', '.join(failed)}." if failed else "")
-            + (f" Not finished (stopped): {', '.join(stopped)}." if stopped else ""))
+            + (f" Not finished (stopped): {', '.join(stopped)}." if stopped else "")
+            + (f" Begun again on another kind of machine: {'; '.join(again)}." if again
+               else ""))
     others = []
     for name in sorted(present - {"run_all.json", "capacity.json"}):
         try:
@@ -1006,10 +1047,10 @@ def quality_section(quality):
     std = (f" ± {single['test_accuracy_std']:.4f}" if "test_accuracy_std" in single else "")
     rows = [["single process", "1", f"{single['test_accuracy_mean']:.4f}{std}", "",
              f"{single['train_seconds_mean']:.1f}"]]
-    sources = {"single process": part_commit(quality, "single process")}
+    sources = {"single process": measured(quality, "single process")}
     for group in (k for k in quality if k.endswith("workers")):
         for name, r in quality[group].items():
-            sources[f"{group}/{name}"] = part_commit(quality, f"{group}/{name}")
+            sources[f"{group}/{name}"] = measured(quality, f"{group}/{name}")
             rows.append([name, group.split()[0], f"{r['test_accuracy_mean']:.4f} "
                          f"± {r['test_accuracy_std']:.4f}", f"{r['vs_single_points']:+.2f}",
                          f"{r['train_seconds_mean']:.1f}"])
@@ -1035,11 +1076,11 @@ def write_report(out_dir, bandwidth_gbit=10.0, latency_us=50.0):
 
     parts = ["# tfdist benchmark report", "",
              "Written by `benchmarks/report.py` from the JSON of `benchmarks/run_all.py`. Each "
-             "table names the commit it was measured at (a table that would mix commits is "
-             "refused) and the workers, model, network and load of its run; each comparison "
-             "(a ratio, a fraction of the one-process limit) is between figures of the same "
-             "run. Compare those, not absolute times: every process shares this machine's "
-             "cores.", ""]
+             "table names the commit and the kind of machine it was measured on (a table "
+             "that would mix commits, or timings of two kinds of machine, is refused) and the "
+             "workers, model, network and load of its run; each comparison (a ratio, a "
+             "fraction of the one-process limit) is between figures of the same run. Compare "
+             "those, not absolute times: every process shares its machine's cores.", ""]
     present = {name for name in os.listdir(out_dir) if name.endswith(".json")}
     parts += run_text(out_dir, present)
     if "rates.json" in present:
@@ -1047,7 +1088,7 @@ def write_report(out_dir, bandwidth_gbit=10.0, latency_us=50.0):
     if "straggler.json" in present:
         straggler = _load("straggler.json")
         parts += _with_commit(straggler_section(straggler),
-                              {"straggler.json": commit_label(straggler.get("stamp"))})
+                              {"straggler.json": measured(straggler)})
     if "quality.json" in present:
         parts += quality_section(_load("quality.json"))
     compression = _load("compression.json") if "compression.json" in present else None
@@ -1068,7 +1109,7 @@ def write_report(out_dir, bandwidth_gbit=10.0, latency_us=50.0):
             json.dump(capacity_result, f, indent=1)
         plot_capacity(capacity_result, _path("capacity.png"))
         parts += scaling_section(scaling, capacity_result, {
-            "scaling.json": commit_label(scaling.get("stamp")),
+            "scaling.json": measured(scaling),
             "compression.json (top-k ratio)": part_commit(compression, "exchange")})
     if compression is not None:
         parts += ["## Bytes per step", "",
@@ -1077,26 +1118,26 @@ def write_report(out_dir, bandwidth_gbit=10.0, latency_us=50.0):
                   "all-reduce moves 2(M-1)/M of it per link; a compressed all-gather moves each "
                   "worker's payload to every other.", ""]
         parts += _with_commit(compression_section(compression), {
-            part: part_commit(compression, part) for part in ("exchange", "accuracy")
+            part: measured(compression, part) for part in ("exchange", "accuracy")
             if part in compression})
     if "network.json" in present:
         parts += network_section(_load("network.json"))
     if "network_sgp.json" in present:
         sgp = _load("network_sgp.json")
         parts += _with_commit(sgp_network_section(sgp), {
-            f"timing/{setting}": part_commit(sgp, f"timing/{setting}")
+            f"timing/{setting}": measured(sgp, f"timing/{setting}")
             for setting in sgp.get("timing", {})})
     if "faults.json" in present:
         faults = _load("faults.json")
         parts += _with_commit(faults_section(faults),
-                              {"faults.json": commit_label(faults.get("stamp"))})
+                              {"faults.json": measured(faults)})
     # `embedding.py --out=results/embedding_<name>`: a run of its own (repeats of one cluster
     # shape, say), a section and a plot of its own.
     for name in sorted(n for n in present if n.startswith("embedding")):
         embedding, plot = _load(name), name[:-len(".json")] + ".png"
         plot_embedding(embedding, _path(plot))
         parts += _with_commit(embedding_section(embedding, plot),
-                              {name: commit_label(embedding.get("stamp"))})
+                              {name: measured(embedding)})
     with open(_path("report.md"), "w") as f:
         f.write("\n".join(parts))
 

@@ -217,7 +217,7 @@ class ReportTest(tf.test.TestCase):
                    "part_commits": {"timing/100mbit, N=2": "d" * 12,
                                     "timing/100mbit, N=4": "e" * 12}}
         text = _report_of(out, {"rates": rates, "network": network})
-        self.assertIn("Measured at commit `cccccccccccc`.", text)
+        self.assertIn("Measured at commit `cccccccccccc` on 2 cores, test CPU, 8.0 GiB.", text)
         rows = {line.split(" | ")[0].strip("| "): line.split(" | ")
                 for line in text.splitlines() if line.startswith("| ")}
         # async: 320 x 32 rows a second against the limit's 410 x 64; 5.16x all-reduce's
@@ -333,7 +333,8 @@ class EmbeddingReportTest(tf.test.TestCase):
         out = self.get_temp_dir()
         text = _report_of(out, {"embedding": _embedding_fixture()})
         self.assertIn("## Embedding tables: a recommendation job against V\n\n"
-                      "Measured at commit `0123456789ab+dirty`.", text)
+                      "Measured at commit `0123456789ab+dirty` on 2 cores, test CPU, 8.0 GiB.",
+                      text)
         self.assertGreater(os.path.getsize(os.path.join(out, "embedding.png")), 1000)
         # A run of repeats of one shape (`--out=.../embedding_repeats`): a section of its own.
         repeats = _embedding_fixture()
@@ -501,7 +502,8 @@ class FaultsReportTest(tf.test.TestCase):
     def test_report_names_the_commit(self):
         out = self.get_temp_dir()
         text = _report_of(out, {"faults": _faults_fixture()})
-        self.assertIn("## Faults on a running job\n\nMeasured at commit `fedcba987654`.", text)
+        self.assertIn("## Faults on a running job\n\nMeasured at commit `fedcba987654` on 2 cores, "
+                      "test CPU, 8.0 GiB.", text)
 
 
 class ResumeTest(tf.test.TestCase):
@@ -683,6 +685,48 @@ class ResumeTest(tf.test.TestCase):
         self.assertEqual(entries["faults"], {"sittings": 1, "started": mock.ANY,
                                              "machine": intel})
         self.assertEqual(entries["rates"]["machine"], amd)
+        # The report's header says which benchmark sat on which kind, and what began again.
+        with open(path) as f:
+            run = json.load(f)
+        run.update(run="r1", sittings=[{"started": "2026-01-01T00:00:00Z", "machine": amd},
+                                       {"started": "2026-01-02T00:00:00Z", "machine": intel}])
+        out = self.get_temp_dir()
+        machine.write_json(os.path.join(out, "run_all.json"), run)
+        text = report.run_text(out, {"run_all.json"})[0]
+        self.assertIn("in 2 sittings (the first started 2026-01-01T00:00:00Z, the last "
+                      "2026-01-02T00:00:00Z) on 2 kinds of machine, each benchmark on one "
+                      "(rates, straggler, quality, compression, network, network_n8: 2 cores, "
+                      "AMD EPYC, 23.5 GiB; embedding, faults: 2 cores, Intel Xeon, 23.6 GiB; ",
+                      text)
+        self.assertIn("Begun again on another kind of machine: embedding (stopped after 2 "
+                      "sitting(s) on 2 cores, AMD EPYC, 23.5 GiB, begun again", text)
+
+    def test_a_table_of_figures_from_two_kinds_of_machine_is_refused(self):
+        amd = {"cpus": 2, "cpu_model": "AMD EPYC", "memory_gib": 23.5}
+        intel = dict(amd, cpu_model="Intel Xeon")
+        result = {"stamp": {"commit": "a" * 40, "dirty": False, "machine": intel},
+                  "part_commits": {"n2": "a" * 12, "n8": "a" * 12},
+                  "part_machines": {"n2": amd, "n8": intel}}
+        self.assertEqual(report.measured(result, "n2"), ("a" * 12, "2 cores, AMD EPYC, 23.5 GiB"))
+        self.assertEqual(report.measured(result), ("a" * 12, "2 cores, Intel Xeon, 23.5 GiB"))
+        ok, line = report.commit_line({part: report.measured(result, part)
+                                       for part in ("n2", "n8")})
+        self.assertFalse(ok)
+        self.assertEqual(line, "**Table refused**: its figures come from 2 kinds of machine "
+                         "(2 cores, AMD EPYC, 23.5 GiB: n2; 2 cores, Intel Xeon, 23.5 GiB: n8); "
+                         "measure them again on one machine: a ratio compares runs of one "
+                         "machine.")
+        # A figure that does not depend on the machine (a byte ratio) is named by its commit.
+        self.assertEqual(report.commit_line({"timing": report.measured(result, "n8"),
+                                             "ratio": "a" * 12}),
+                         (True, f"Measured at commit `{'a' * 12}` on 2 cores, Intel Xeon, "
+                                "23.5 GiB."))
+        # record_parts keeps each part's machine.
+        results = {"stamp": {"commit": "a" * 40, "dirty": False, "machine": amd},
+                   "part_machines": {"n2": amd}}
+        machine.record_parts(results, {"commit": "a" * 40, "dirty": False, "machine": intel},
+                             ["n8"], kept=["n2"])
+        self.assertEqual(results["part_machines"], {"n2": amd, "n8": intel})
 
     def test_an_interleaved_matrix_carries_on_where_it_stopped(self):
         keys = ["a", "b", "once"]
