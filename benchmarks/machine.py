@@ -96,8 +96,8 @@ def resume_problems(then, now, settings_then=None, settings_now=None, same_machi
                         "as committed)")
     machine_then, machine_now = then.get("machine"), now.get("machine")
     if same_machine and not same_kind(machine_then, machine_now):
-        problems.append(f"it was measured on another machine ({machine_text(machine_then)}; "
-                        f"this one: {machine_text(machine_now)})")
+        problems.append(f"it was measured on another machine ({_machine_text(machine_then)}; "
+                        f"this one: {_machine_text(machine_now)})")
     old = {k: v for k, v in (settings_then or {}).items() if k != "complete"}
     new = {k: v for k, v in (settings_now or {}).items() if k != "complete"}
     differing = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
@@ -131,7 +131,7 @@ def same_kind(machine, other):
     return machine_kind(machine) == machine_kind(other)
 
 
-def machine_text(machine):
+def _machine_text(machine):
     if not machine:
         return "not recorded"
     return (f"{machine.get('cpus')} cores ({machine.get('cpu_model')}), "

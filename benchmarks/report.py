@@ -72,9 +72,11 @@ def one_commit(sources):
     """
     commits = {what: _commit_of(source) for what, source in sources.items()}
     _one_of(commits, "commits", "in one run (benchmarks/run_all.py)")
-    _one_of({what: source[1] for what, source in sources.items()
-             if isinstance(source, tuple) and source[1]}, "kinds of machine",
-            "on one machine: a ratio compares runs of one machine")
+    kinds = {what: source[1] for what, source in sources.items()
+             if isinstance(source, tuple) and source[1]}
+    if kinds:
+        _one_of(kinds, "kinds of machine", "on one machine: a ratio compares runs of one "
+                "machine")
     return next(iter(commits.values()))
 
 
@@ -83,9 +85,9 @@ def _commit_of(source):
 
 
 def _one_of(labels, plural, remedy):
-    """Raises MixedCommits where `labels` (`{what: label}`) hold more than one label."""
+    """Raises MixedCommits unless `labels` (`{what: label}`) hold exactly one label."""
     distinct = sorted(set(labels.values()))
-    if len(distinct) > 1:
+    if len(distinct) != 1:
         by_label = "; ".join(
             f"{label}: {', '.join(sorted(w for w, x in labels.items() if x == label))}"
             for label in distinct)
@@ -694,7 +696,6 @@ def run_text(out_dir, present):
         text += (" **Results not of this run in this directory** (their tables name their "
                  "commits): " + ", ".join(others) + ".")
     return [text, ""]
-
 
 
 def _merged_text(result):

@@ -721,6 +721,10 @@ class ResumeTest(tf.test.TestCase):
                                              "ratio": "a" * 12}),
                          (True, f"Measured at commit `{'a' * 12}` on 2 cores, Intel Xeon, "
                                 "23.5 GiB."))
+        # A table with no sources (a network.json without timings) is refused, not a crash.
+        self.assertEqual(report.commit_line({}),
+                         (False, "**Table refused**: its figures come from 0 commits (); "
+                                 "measure them again in one run (benchmarks/run_all.py)."))
         # record_parts keeps each part's machine.
         results = {"stamp": {"commit": "a" * 40, "dirty": False, "machine": amd},
                    "part_machines": {"n2": amd}}
